@@ -1,0 +1,352 @@
+"""Typed, validated run configuration.
+
+Every knob of a run lives in this tree of dataclasses. Field names follow the inference stack
+(HF transformers: ``hidden_size``, ``num_key_value_heads``, ``hc_mult``, ...), so import and export
+are near-identity maps. Each dataclass validates itself in ``__post_init__`` and raises
+:class:`ConfigError` naming the field, the offending value and the allowed range.
+
+The resolved config is written next to every checkpoint (``config.yaml``) and can be reloaded
+with :meth:`RunConfig.load`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "DataConfig",
+    "SyntheticDataConfig",
+    "TrainConfig",
+    "LoggingConfig",
+    "RunConfig",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, value and allowed range."""
+
+
+def _range(obj: Any, name: str, lo: float | None = None, hi: float | None = None, *, lo_open=False,
+           hi_open=False) -> None:
+    value = getattr(obj, name)
+    cls = type(obj).__name__
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ConfigError(f"{cls}.{name}={value!r}: expected a number")
+    bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
+    bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
+    if bad_lo or bad_hi:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        lo_s = "-inf" if lo is None else lo
+        hi_s = "inf" if hi is None else hi
+        raise ConfigError(f"{cls}.{name}={value!r} is out of range; allowed {left}{lo_s}, {hi_s}{right}")
+
+
+def _int(obj: Any, name: str, lo: int | None = None, hi: int | None = None) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{type(obj).__name__}.{name}={value!r}: expected an integer")
+    _range(obj, name, lo, hi)
+
+
+def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        raise ConfigError(
+            f"{type(obj).__name__}.{name}={value!r} is not allowed; choose one of {list(choices)}"
+        )
+
+
+RESIDUAL_MODES = ("residual", "mhc", "hc")
+HC_PRESETS = ("deepseek_v4", "paper")
+ATTENTION_TYPES = ("gqa", "mla")
+
+
+@dataclass
+class ModelConfig:
+    """Decoder architecture (HF field names).
+
+    ``residual_mode`` selects the residual connection: ``residual`` (plain pre-norm), ``mhc``
+    (manifold-constrained hyper-connections, arXiv 2512.24880, with ``hc_preset``) or ``hc``
+    (unconstrained Hyper-Connections, arXiv 2409.19606, kept for comparisons). ``hc_mult`` is the
+    number of residual streams; ``hc_mult=1`` is the plain residual.
+    """
+
+    vocab_size: int = 260
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+    attention_bias: bool = False
+    attention_type: str = "gqa"
+    # Hyper-connections (names as in transformers' deepseek_v4).
+    residual_mode: str = "residual"
+    hc_mult: int = 4
+    hc_preset: str = "deepseek_v4"
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    hc_init: str = "default"
+    # MLA (names as in transformers' deepseek_v3); used when attention_type == "mla".
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+
+    def __post_init__(self) -> None:
+        _int(self, "vocab_size", 2)
+        _int(self, "hidden_size", 1)
+        _int(self, "intermediate_size", 1)
+        _int(self, "num_hidden_layers", 1)
+        _int(self, "num_attention_heads", 1)
+        _int(self, "num_key_value_heads", 1, self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"ModelConfig.num_key_value_heads={self.num_key_value_heads} must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
+                    f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        _int(self, "head_dim", 2)
+        if self.head_dim % 2:
+            raise ConfigError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE pairs)")
+        _int(self, "max_position_embeddings", 1)
+        _range(self, "rope_theta", 0, lo_open=True)
+        _range(self, "rms_norm_eps", 0, 1, lo_open=True)
+        _range(self, "initializer_range", 0, 1, lo_open=True)
+        _choice(self, "attention_type", ATTENTION_TYPES)
+        _choice(self, "residual_mode", RESIDUAL_MODES)
+        _int(self, "hc_mult", 1, 64)
+        _choice(self, "hc_preset", HC_PRESETS)
+        _int(self, "hc_sinkhorn_iters", 1, 1000)
+        _range(self, "hc_eps", 0, 1)
+        _choice(self, "hc_init", ("default", "identity"))
+        if self.q_lora_rank is not None:
+            _int(self, "q_lora_rank", 1)
+        _int(self, "kv_lora_rank", 1)
+        _int(self, "qk_nope_head_dim", 0)
+        _int(self, "qk_rope_head_dim", 2)
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"ModelConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        _int(self, "v_head_dim", 1)
+
+    @property
+    def uses_streams(self) -> bool:
+        """True when the residual is widened to ``hc_mult`` streams (mHC or HC with n > 1)."""
+        return self.residual_mode != "residual" and self.hc_mult > 1
+
+
+@dataclass
+class SyntheticDataConfig:
+    """The bundled synthetic corpus: grammar stories and key-value recall prompts."""
+
+    seed: int = 1234
+    num_stories: int = 2000
+    num_recall: int = 2000
+    recall_num_facts: int = 12
+    recall_num_questions: int = 2
+
+    def __post_init__(self) -> None:
+        _int(self, "seed", 0)
+        _int(self, "num_stories", 0)
+        _int(self, "num_recall", 0)
+        if self.num_stories + self.num_recall == 0:
+            raise ConfigError("SyntheticDataConfig: num_stories + num_recall must be >= 1")
+        _int(self, "recall_num_facts", 1, 10_000)
+        _int(self, "recall_num_questions", 1, self.recall_num_facts)
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from and how they are batched.
+
+    ``source`` is ``"synthetic"`` (the bundled corpus, no download) or a path / glob / list of
+    local ``.txt``, ``.jsonl``/``.json`` or ``.parquet`` files read with HF ``datasets``.
+    ``tokenizer`` is ``"byte"`` (byte-level, needs no files) or a local HF tokenizer directory.
+    """
+
+    source: str | list[str] = "synthetic"
+    text_field: str = "text"
+    tokenizer: str = "byte"
+    seq_len: int = 256
+    batch_size: int = 8
+    val_fraction: float = 0.05
+    pack: bool = True
+    num_workers: int = 0
+    seed: int = 0
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ConfigError("DataConfig.source is empty; use 'synthetic' or a path/glob")
+        _int(self, "seq_len", 2, 1 << 20)
+        _int(self, "batch_size", 1)
+        _range(self, "val_fraction", 0, 1, hi_open=True)
+        _int(self, "num_workers", 0, 256)
+        _int(self, "seed", 0)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, schedule, hardware and checkpointing."""
+
+    max_steps: int = 200
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    accumulate_grad_batches: int = 1
+    precision: str = "32-true"
+    accelerator: str = "auto"
+    devices: int | str = 1
+    num_nodes: int = 1
+    strategy: str = "auto"
+    val_every_n_steps: int = 50
+    limit_val_batches: int = 8
+    log_every_n_steps: int = 5
+    checkpoint_every_n_steps: int = 100
+    out_dir: str = "runs/default"
+    resume: str | None = None
+    seed: int = 42
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        _int(self, "max_steps", 1)
+        _range(self, "lr", 0, 10, lo_open=True)
+        _range(self, "min_lr_ratio", 0, 1)
+        _int(self, "warmup_steps", 0)
+        _range(self, "weight_decay", 0, 10)
+        _range(self, "beta1", 0, 1, hi_open=True)
+        _range(self, "beta2", 0, 1, hi_open=True)
+        _range(self, "grad_clip", 0)
+        _int(self, "accumulate_grad_batches", 1)
+        _choice(
+            self, "precision", ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "64-true")
+        )
+        _int(self, "num_nodes", 1)
+        if not (self.devices == "auto" or (isinstance(self.devices, int) and self.devices >= 1)):
+            raise ConfigError(
+                f"TrainConfig.devices={self.devices!r}: expected an integer >= 1 or 'auto'"
+            )
+        _int(self, "val_every_n_steps", 1)
+        _int(self, "limit_val_batches", 0)
+        _int(self, "log_every_n_steps", 1)
+        _int(self, "checkpoint_every_n_steps", 1)
+        _int(self, "seed", 0)
+
+
+@dataclass
+class LoggingConfig:
+    """Experiment logging. W&B runs offline by default and never prompts for a login."""
+
+    logger: str = "wandb"
+    project: str = "unicache_train"
+    name: str | None = None
+    tags: list[str] = field(default_factory=list)
+    wandb_mode: str = "offline"
+
+    def __post_init__(self) -> None:
+        _choice(self, "logger", ("wandb", "csv", "tensorboard", "none"))
+        _choice(self, "wandb_mode", ("offline", "online", "disabled"))
+
+
+@dataclass
+class RunConfig:
+    """The whole run: model, data, training and logging."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    # ----------------------------------------------------------------------------- (de)serialise
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        return _build(cls, data or {}, "")
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+        """Read a YAML config and apply ``section.field=value`` overrides."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+        apply_overrides(data, overrides or [])
+        return cls.from_dict(data)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict in place."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        node = data
+        parts = key.lstrip("-").split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    """Build dataclass ``cls`` from a nested dict, rejecting unknown keys with a clear message."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or cls.__name__}: expected a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = prefix or "the config"
+        raise ConfigError(f"unknown field(s) {unknown} in {where}; known: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        sub = _SUBCONFIGS.get((cls, name))
+        if sub is not None and isinstance(value, dict):
+            value = _build(sub, value, f"{prefix}.{name}".strip("."))
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+_SUBCONFIGS: dict[tuple[type, str], type] = {
+    (RunConfig, "model"): ModelConfig,
+    (RunConfig, "data"): DataConfig,
+    (RunConfig, "train"): TrainConfig,
+    (RunConfig, "logging"): LoggingConfig,
+    (DataConfig, "synthetic"): SyntheticDataConfig,
+}

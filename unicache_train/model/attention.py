@@ -1,0 +1,202 @@
+"""Grouped-query causal self-attention (GQA/MHA) with RoPE, SDPA and the KV-compression seam.
+
+Shape legend: B, T, S, M, H, Hk, D = batch, query tokens, key tokens, segment entries,
+query heads, KV heads, head dim.
+
+Three ways through :meth:`Attention.forward`:
+
+1. plain causal attention (training without compression, evaluation);
+2. incremental decoding with a :class:`~unicache_train.model.kv_cache.KVCache`;
+3. the **compression seam** (``split`` and ``compressor`` given): tokens ``t < split[b]`` are the
+   context and attend causally to the full context (prefill); the context K/V are handed to the
+   compressor at :meth:`Attention._compress_context`; tokens ``t >= split[b]`` attend to the
+   compressed segment (plus ``log(count)`` for merged entries) and causally to each other. This
+   is the prefill -> compress -> decode of inference, done in one parallel forward so that
+   gradients reach every layer.
+
+      x [B,T,C] ─► q,k,v ─► RoPE ─┬─────────────── full causal K/V (context queries) ─┐
+                                  └─► compressor(context K/V) ─► segment K/V ────────────┤
+                                                         continuation causal K/V ────────┴─► SDPA ─► o_proj
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unicache_train.compress.base import CompressionInput, KVCompressor, KVSegment
+from unicache_train.config import ModelConfig
+from unicache_train.model.kv_cache import KVCache
+from unicache_train.model.rope import apply_rope
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention with HF Llama parameter names."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        C, H, Hk, D = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(C, H * D, bias=bias)
+        self.k_proj = nn.Linear(C, Hk * D, bias=bias)
+        self.v_proj = nn.Linear(C, Hk * D, bias=bias)
+        self.o_proj = nn.Linear(H * D, C, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        modality_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        split: torch.Tensor | None = None,
+        compressor: KVCompressor | None = None,
+        stats: list[dict[str, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """Args:
+            x: [B, T, C] normalised hidden states.
+            rope: (cos, sin), each [B, T, D], for ``positions``.
+            positions: [B, T] absolute positions.
+            modality_ids: [B, T].
+            cache: decoding cache (mode 2).
+            split: [B] int, first continuation token per sample (mode 3, with ``compressor``).
+            compressor: the KV compressor called at the seam (mode 3).
+            stats: if given, the segment's stats dict is appended (one per layer).
+
+        Returns:
+            [B, T, C].
+        """
+        B, T, _ = x.shape
+        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).view(B, T, Hk, D).transpose(1, 2)  # [B, Hk, T, D]
+        v = self.v_proj(x).view(B, T, Hk, D).transpose(1, 2)  # [B, Hk, T, D]
+        cos, sin = rope
+        q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if split is not None and compressor is not None:
+            segment = self._compress_context(q_rot, k, k_rot, v, positions, modality_ids, split,
+                                             compressor, rope)
+            if stats is not None:
+                stats.append(segment.stats)
+            out = self._attend_segment(q_rot, k_rot, v, segment, split)
+        elif cache is not None:
+            past = cache.length(self.layer_idx)
+            k_all, v_all = cache.update(self.layer_idx, k_rot, v)  # [B, Hk, S, D]
+            # A chunk of T new queries sees all S - T cached keys and is causal within itself.
+            mask = None
+            if T > 1:
+                S = k_all.shape[2]
+                qi = torch.arange(T, device=x.device)[:, None] + past
+                mask = torch.arange(S, device=x.device)[None, :] <= qi  # [T, S]
+            out = F.scaled_dot_product_attention(q_rot, k_all, v_all, attn_mask=mask,
+                                                 enable_gqa=Hk != H)
+        else:
+            out = F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=True,
+                                                 enable_gqa=Hk != H)
+        out = out.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
+        return self.o_proj(out)
+
+    # ------------------------------------------------------------------- the compression seam
+    def _compress_context(
+        self,
+        q_rot: torch.Tensor,
+        k: torch.Tensor,
+        k_rot: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        modality_ids: torch.Tensor,
+        split: torch.Tensor,
+        compressor: KVCompressor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> KVSegment:
+        """THE point where the KV compressor is called (one call per layer per forward).
+
+        The compressor receives this layer's keys/values of the whole sequence plus a
+        ``context_mask`` (``t < split``) and must only emit context tokens. Keys are post-RoPE
+        (what a standard cache stores) unless the compressor declares ``pre_rope = True``
+        (e.g. cross-layer SVD works on pre-RoPE keys): then RoPE is applied here to the
+        segment at the positions the compressor reports.
+        """
+        T = k.shape[2]
+        context_mask = torch.arange(T, device=k.device)[None, :] < split[:, None]  # [B, T]
+        pre_rope = getattr(compressor, "pre_rope", False)
+        inp = CompressionInput(
+            layer_idx=self.layer_idx,
+            num_layers=self.num_layers,
+            queries=q_rot,
+            keys=k if pre_rope else k_rot,
+            values=v,
+            positions=positions,
+            modality_ids=modality_ids,
+            context_mask=context_mask,
+        )
+        segment = compressor(inp)
+        if pre_rope:
+            cos, sin = _gather_rope(rope, positions, segment.positions)
+            segment.keys = apply_rope(segment.keys, cos, sin)
+        return segment
+
+    def _attend_segment(
+        self,
+        q_rot: torch.Tensor,
+        k_rot: torch.Tensor,
+        v: torch.Tensor,
+        segment: KVSegment,
+        split: torch.Tensor,
+    ) -> torch.Tensor:
+        """Context queries attend causally to the full context; continuation queries attend to
+        the segment and causally to the continuation. One SDPA call over ``M + T`` keys.
+
+        Returns:
+            [B, H, T, D].
+        """
+        B, H, T, D = q_rot.shape
+        t = torch.arange(T, device=q_rot.device)
+        is_cont = t[None, :] >= split[:, None]  # [B, T] query is a continuation token
+        # Segment part [B, T, M]: continuation queries only, valid entries only.
+        seg_ok = is_cont[:, :, None] & segment.valid[:, None, :]
+        seg_bias = torch.log(segment.counts.clamp_min(1.0)).to(q_rot.dtype)  # [B, M]
+        # Full-sequence part [B, T, T]: causal; a continuation query skips the raw context,
+        # which it sees only through the segment.
+        causal = t[None, :] <= t[:, None]  # [T, T]
+        key_is_cont = t[None, :] >= split[:, None]  # [B, T]
+        full_ok = causal[None] & (~is_cont[:, :, None] | key_is_cont[:, None, :])
+        neg = torch.finfo(q_rot.dtype).min
+        seg_mask = torch.where(seg_ok, seg_bias[:, None, :], neg)  # [B, T, M]
+        full_mask = torch.where(full_ok, 0.0, neg).to(q_rot.dtype)  # [B, T, T]
+        mask = torch.cat([seg_mask, full_mask], dim=-1)[:, None]  # [B, 1, T, M + T]
+        keys = torch.cat([segment.keys.to(k_rot.dtype), k_rot], dim=2)  # [B, Hk, M + T, D]
+        values = torch.cat([segment.values.to(v.dtype), v], dim=2)  # [B, Hk, M + T, D]
+        return F.scaled_dot_product_attention(q_rot, keys, values, attn_mask=mask,
+                                              enable_gqa=self.num_kv_heads != H)
+
+
+def _gather_rope(
+    rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, seg_positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, T, D] at ``positions`` [B, T] -> cos/sin [B, M, D] at ``seg_positions``.
+
+    Positions of a training sequence are ``arange(T)`` shifted per sample, so the entry for a
+    segment position is found by offset from the sample's first position.
+    """
+    cos, sin = rope
+    idx = (seg_positions - positions[:, :1]).clamp(0, cos.shape[1] - 1)  # [B, M]
+    idx = idx[..., None].expand(-1, -1, cos.shape[-1])
+    return cos.gather(1, idx), sin.gather(1, idx)
+
+
+def kv_bytes_per_token(config: ModelConfig, bytes_per_element: int = 2) -> int:
+    """KV-cache bytes per token per layer of an uncompressed cache."""
+    if config.attention_type == "mla":
+        return (config.kv_lora_rank + config.qk_rope_head_dim) * bytes_per_element
+    return 2 * config.num_key_value_heads * config.head_dim * bytes_per_element
+
+
+__all__ = ["Attention", "kv_bytes_per_token"]
