@@ -120,16 +120,15 @@ class ModelConfig:
                 f"ModelConfig.num_key_value_heads={self.num_key_value_heads} must divide "
                 f"num_attention_heads={self.num_attention_heads}"
             )
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ConfigError(
-                    f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
-                    f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly"
-                )
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        _int(self, "head_dim", 2)
-        if self.head_dim % 2:
-            raise ConfigError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE pairs)")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly"
+            )
+        if self.head_dim is not None:
+            _int(self, "head_dim", 2)
+        if self.head_size % 2:
+            raise ConfigError(f"ModelConfig.head_dim={self.head_size} must be even (RoPE pairs)")
         _int(self, "max_position_embeddings", 1)
         _range(self, "rope_theta", 0, lo_open=True)
         _range(self, "rms_norm_eps", 0, 1, lo_open=True)
@@ -149,6 +148,16 @@ class ModelConfig:
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"ModelConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
         _int(self, "v_head_dim", 1)
+
+    @property
+    def head_size(self) -> int:
+        """Attention head dim: ``head_dim`` if set, else ``hidden_size // num_attention_heads``.
+
+        ``head_dim`` stays ``None`` when derived so that changing ``hidden_size`` (e.g. from the
+        command line) re-derives it.
+        """
+        return self.head_dim if self.head_dim is not None else (
+            self.hidden_size // self.num_attention_heads)
 
     @property
     def uses_streams(self) -> bool:

@@ -40,7 +40,7 @@ class Attention(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.head_dim = config.head_size
         C, H, Hk, D = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         bias = config.attention_bias
         self.q_proj = nn.Linear(C, H * D, bias=bias)
@@ -196,7 +196,7 @@ def kv_bytes_per_token(config: ModelConfig, bytes_per_element: int = 2) -> int:
     """KV-cache bytes per token per layer of an uncompressed cache."""
     if config.attention_type == "mla":
         return (config.kv_lora_rank + config.qk_rope_head_dim) * bytes_per_element
-    return 2 * config.num_key_value_heads * config.head_dim * bytes_per_element
+    return 2 * config.num_key_value_heads * config.head_size * bytes_per_element
 
 
 __all__ = ["Attention", "kv_bytes_per_token"]

@@ -99,7 +99,7 @@ class Decoder(nn.Module):
             self.hc_head = HyperHead(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        rope_dim = config.qk_rope_head_dim if config.attention_type == "mla" else config.head_dim
+        rope_dim = config.qk_rope_head_dim if config.attention_type == "mla" else config.head_size
         self.rotary = RotaryEmbedding(rope_dim, config.rope_theta)
         self.reset_parameters()
         if config.tie_word_embeddings:

@@ -1,0 +1,30 @@
+# Two commands do all the set-up work on a fresh machine:
+#   make demo   # install into .venv (first time), then run the main job on the bundled data (CPU)
+#   make test   # install into .venv (first time), then run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: install demo test test-slow lint bench
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# CPU torch first, from the wheel on disk, so pip does not pull a multi-GB CUDA build.
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e ".[dev]"
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	$(BIN)/python recipes/pretrain_tiny.py
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .

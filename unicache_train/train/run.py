@@ -1,0 +1,171 @@
+"""Building and running a Trainer from a :class:`RunConfig`: the one place that decides hardware,
+strategy, loggers, callbacks and resumption."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+
+from unicache_train.config import ConfigError, RunConfig
+from unicache_train.train.module import LMModule
+
+log = logging.getLogger(__name__)
+
+# Flags of Lightning's `fabric run` launcher, exported to the processes it starts.
+_LAUNCHER_ENV = {
+    "LT_ACCELERATOR": "accelerator",
+    "LT_STRATEGY": "strategy",
+    "LT_DEVICES": "devices",
+    "LT_NUM_NODES": "num_nodes",
+    "LT_PRECISION": "precision",
+}
+
+
+def apply_launcher_env(config: RunConfig, environ: dict[str, str] | None = None) -> RunConfig:
+    """When started by ``fabric run``, its flags (``--accelerator``, ``--strategy``, ``--devices``,
+    ``--num-nodes``, ``--precision``) override the recipe's ``train`` section."""
+    env = os.environ if environ is None else environ
+    if env.get("LT_CLI_USED") != "1":
+        return config
+    tc = config.train
+    for var, name in _LAUNCHER_ENV.items():
+        if var not in env:
+            continue
+        value: Any = env[var]
+        if name in ("devices", "num_nodes"):
+            value = int(value) if value.lstrip("-").isdigit() else value
+        if name == "precision" and value == "32":
+            value = "32-true"
+        setattr(tc, name, value)
+    tc.__post_init__()  # re-validate what the launcher set
+    return config
+
+
+def build_loggers(config: RunConfig, out_dir: Path) -> list[Logger] | bool:
+    lc = config.logging
+    if lc.logger == "none":
+        return False
+    if lc.logger == "csv":
+        return [CSVLogger(save_dir=str(out_dir), name="csv")]
+    if lc.logger == "tensorboard":
+        return [TensorBoardLogger(save_dir=str(out_dir), name="tensorboard")]
+    # W&B: the environment (WANDB_MODE) wins over the config; offline never asks for a login.
+    mode = os.environ.get("WANDB_MODE", lc.wandb_mode)
+    os.environ["WANDB_MODE"] = mode
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_CONSOLE", "off")
+    logger = WandbLogger(
+        project=lc.project,
+        name=lc.name,
+        tags=list(lc.tags) or None,
+        save_dir=str(out_dir),
+        offline=mode == "offline",
+        mode=mode,
+        config=config.to_dict(),
+    )
+    return [logger]
+
+
+def build_trainer(config: RunConfig, callbacks: list[L.Callback] | None = None) -> L.Trainer:
+    tc = config.train
+    out_dir = Path(tc.out_dir)
+    ckpt_cb = ModelCheckpoint(
+        dirpath=str(out_dir / "checkpoints"),
+        filename="step{step:06d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=tc.checkpoint_every_n_steps,
+        save_last=True,
+        save_top_k=-1,
+    )
+    cbs: list[L.Callback] = [ckpt_cb, *(callbacks or [])]
+    loggers = build_loggers(config, out_dir)
+    if loggers:
+        cbs.append(LearningRateMonitor(logging_interval="step"))
+    if tc.progress_bar:
+        from lightning.pytorch.callbacks import RichProgressBar
+
+        cbs.append(RichProgressBar(leave=True))
+    return L.Trainer(
+        accelerator=tc.accelerator,
+        devices=tc.devices,
+        num_nodes=tc.num_nodes,
+        strategy=tc.strategy,
+        precision=tc.precision,
+        max_steps=tc.max_steps,
+        max_epochs=-1,
+        gradient_clip_val=tc.grad_clip or None,
+        accumulate_grad_batches=tc.accumulate_grad_batches,
+        val_check_interval=tc.val_every_n_steps,
+        check_val_every_n_epoch=None,
+        limit_val_batches=tc.limit_val_batches,
+        num_sanity_val_steps=0,
+        log_every_n_steps=tc.log_every_n_steps,
+        default_root_dir=str(out_dir),
+        logger=loggers,
+        callbacks=cbs,
+        enable_progress_bar=tc.progress_bar,
+        enable_model_summary=False,
+    )
+
+
+def resolve_resume(config: RunConfig) -> str | None:
+    """``train.resume``: None (fresh run), ``"auto"`` (the run's ``last.ckpt`` if present) or a
+    checkpoint path (must exist)."""
+    resume = config.train.resume
+    if resume is None:
+        return None
+    if resume == "auto":
+        last = Path(config.train.out_dir) / "checkpoints" / "last.ckpt"
+        return str(last) if last.exists() else None
+    if not Path(resume).exists():
+        raise ConfigError(f"TrainConfig.resume={resume!r}: no such checkpoint file")
+    return resume
+
+
+def fit(config: RunConfig, callbacks: list[L.Callback] | None = None) -> L.Trainer:
+    """Train (or resume) a model as the config says; return the finished Trainer."""
+    from unicache_train.data.datamodule import LMDataModule
+
+    config = apply_launcher_env(config)
+    L.seed_everything(config.train.seed, workers=True, verbose=False)
+    out_dir = Path(config.train.out_dir)
+    ckpt_path = resolve_resume(config)
+    datamodule = LMDataModule(config.data)
+    module = LMModule(config)
+    trainer = build_trainer(config, callbacks)
+    if trainer.is_global_zero:
+        config.save(out_dir / "config.yaml")
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    return trainer
+
+
+def run_recipe(default_yaml: str | Path, argv: list[str] | None = None) -> L.Trainer:
+    """Entry point shared by the ``recipes/*.py`` scripts.
+
+    ``argv``: optional ``--config OTHER.yaml`` and ``section.field=value`` overrides, e.g.
+    ``train.max_steps=50 model.hc_mult=2``. The launcher's flags (``fabric run --devices 2
+    --strategy ddp``) arrive through the environment and are applied in :func:`fit`.
+    """
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(f"usage: [python | fabric run ...] RECIPE.py [--config FILE.yaml] "
+              f"[section.field=value ...]\n\ndefault config: {default_yaml}\n"
+              f"sections: model, data, train, logging (see `unicache-train fit --help`)")
+        raise SystemExit(0)
+    path = Path(default_yaml)
+    if "--config" in args:
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            raise ConfigError("--config needs a YAML path")
+        path = Path(args[i + 1])
+        del args[i : i + 2]
+    config = RunConfig.load(path, overrides=args)
+    return fit(config)
