@@ -90,7 +90,7 @@ def generate(
 
     model, config = load_checkpoint(checkpoint)
     tok = load_tokenizer(config.data.tokenizer)
-    ids = torch.tensor([tok.encode(prompt)])
+    ids = torch.tensor([tok.encode(prompt, add_bos=True)])
     gen = torch.Generator().manual_seed(seed)
     out = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k,
                          eos_token_id=tok.eos_token_id, generator=gen)

@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 
 from unicache_train.config import RunConfig
 from unicache_train.model import Decoder
@@ -79,6 +80,19 @@ class LMModule(L.LightningModule):
         loss = nll / tokens.clamp_min(1)
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(loss.clamp_max(30)), sync_dist=False)
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["world_size"] = self.trainer.world_size
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("world_size")
+        if saved is not None and self._trainer is not None and saved != self.trainer.world_size:
+            rank_zero_warn(
+                f"resuming a checkpoint written with world_size={saved} on world_size="
+                f"{self.trainer.world_size}: the global batch and the data order change "
+                f"(per-device batch is kept); the loss curve will not continue exactly"
+            )
 
     # ---------------------------------------------------------------------------- optimiser
     def configure_optimizers(self) -> dict[str, Any]:
