@@ -1,10 +1,56 @@
-"""KV-cache compression: one method per file, combined by a composer."""
+"""KV-cache compression: one method per file, combined by a composer.
+
+UniCache (source document 000; DESIGN §6): :class:`UniCacheCompressor` built from a
+:class:`UniCacheConfig` (presets in :mod:`unicache_train.compress.presets`). The steps
+(:class:`HeadMerge`, :class:`Importance`, :class:`LayerSchedule`, :class:`ModalityBudget`,
+:class:`AlignmentProtect`, :class:`MergeEvict`, :class:`Quantize`, :class:`DynamicFallback`)
+compose through :class:`ComposedCompressor`.
+"""
 
 from unicache_train.compress.base import (
+    MODALITY_NAMES,
+    NUM_MODALITIES,
     CompressionInput,
     IdentityCompressor,
     KVCompressor,
     KVSegment,
+    QuantizedKV,
 )
+from unicache_train.compress.budget import ModalityBudget
+from unicache_train.compress.composer import (
+    ComposedCompressor,
+    PerLayerCompressor,
+    UniCacheCompressor,
+)
+from unicache_train.compress.config import UniCacheConfig
+from unicache_train.compress.fallback import DynamicFallback
+from unicache_train.compress.head_merge import HeadMerge
+from unicache_train.compress.importance import Importance
+from unicache_train.compress.merge_evict import MergeEvict
+from unicache_train.compress.protect import AlignmentProtect
+from unicache_train.compress.quantize import Quantize
+from unicache_train.compress.schedule import LayerSchedule
+from unicache_train.compress.state import CompressionState
 
-__all__ = ["CompressionInput", "IdentityCompressor", "KVCompressor", "KVSegment"]
+__all__ = [
+    "MODALITY_NAMES",
+    "NUM_MODALITIES",
+    "AlignmentProtect",
+    "ComposedCompressor",
+    "CompressionInput",
+    "CompressionState",
+    "DynamicFallback",
+    "HeadMerge",
+    "IdentityCompressor",
+    "Importance",
+    "KVCompressor",
+    "KVSegment",
+    "LayerSchedule",
+    "MergeEvict",
+    "ModalityBudget",
+    "PerLayerCompressor",
+    "Quantize",
+    "QuantizedKV",
+    "UniCacheCompressor",
+    "UniCacheConfig",
+]

@@ -7,6 +7,13 @@ parallel forward over context + continuation) and inference (prefill, compress, 
 same function, so what the model learns to tolerate is exactly what it meets when deployed.
 
 Shapes: ``B, H, T, D, M`` = batch, KV heads, tokens, head dim, entries kept in the segment.
+
+Optional segment fields (all default to ``None``; attention ignores them) describe how the entries
+are *stored*: ``head_groups`` (KV heads that share one stored copy after head merging),
+``assignment`` (which entry each input token went to) and ``quant`` (the packed integer storage
+whose bytes ``kv_bytes`` counts). The ``keys``/``values`` a segment carries are always the
+attention view: ``[B, H_kv, M, D]`` floating point, every member head of a group holding the
+group's K/V and quantized entries already dequantized (with a straight-through gradient).
 """
 
 from __future__ import annotations
@@ -16,7 +23,49 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["KVSegment", "CompressionInput", "KVCompressor", "IdentityCompressor"]
+__all__ = [
+    "KVSegment",
+    "CompressionInput",
+    "KVCompressor",
+    "IdentityCompressor",
+    "QuantizedKV",
+    "MODALITY_NAMES",
+    "NUM_MODALITIES",
+]
+
+#: Modality ids used throughout the package: ``modality_ids == i`` means ``MODALITY_NAMES[i]``.
+MODALITY_NAMES: tuple[str, ...] = ("text", "vision", "audio")
+NUM_MODALITIES = len(MODALITY_NAMES)
+
+
+@dataclass
+class QuantizedKV:
+    """Packed integer storage of a segment's K/V (what an inference cache would hold).
+
+    Symmetric quantization ``x ~= q * scale`` with ``q`` in ``[-qmax, qmax]``,
+    ``qmax = 2**(bits-1) - 1``. Rows of invalid (padding) entries hold zeros.
+
+    Attributes:
+        bits: 8 or 4.
+        granularity: ``"token_head"`` (one scale per token per head per K/V) or ``"head"`` (one
+            scale per head per K/V over the whole segment of a sample).
+        k_data: int8 ``[B, H_kv, M, D]`` (bits 8) or uint8 ``[B, H_kv, M, ceil(D/2)]`` (bits 4,
+            two values per byte, low nibble first).
+        v_data: as ``k_data`` (with the values' last dim).
+        k_scale: ``[B, H_kv, M]`` (token_head) or ``[B, H_kv]`` (head), fp16 or fp32.
+        v_scale: as ``k_scale``.
+        head_dim: D of the keys (needed to unpack an odd D from int4).
+        value_dim: D of the values when it differs from the keys' (MLA: latent rank), else None.
+    """
+
+    bits: int
+    granularity: str
+    k_data: torch.Tensor
+    v_data: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    head_dim: int
+    value_dim: int | None = None
 
 
 @dataclass
@@ -59,6 +108,13 @@ class KVSegment:
             attention adds ``log(count)`` to the entry's logit, as token merging does.
         valid: [B, M] bool; invalid entries are padding and never attended.
         stats: scalar diagnostics for logging (``keep_ratio``, ``kv_bytes_ratio``, ...).
+        head_groups: [B, H_kv] long or None. Group id of each KV head after head merging (the
+            id is the smallest head index of the group, so ``head_groups[b, g] == g`` marks the
+            stored copy). Member heads carry identical K/V; storage counts one copy per group.
+            None means every head is stored.
+        assignment: [B, T] long or None. For each input token, the entry it went to (kept or
+            merged into); -1 for evicted and non-context tokens.
+        quant: packed storage when the segment was quantized, else None.
     """
 
     keys: torch.Tensor
@@ -68,6 +124,9 @@ class KVSegment:
     counts: torch.Tensor
     valid: torch.Tensor
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    head_groups: torch.Tensor | None = None
+    assignment: torch.Tensor | None = None
+    quant: QuantizedKV | None = None
 
 
 @runtime_checkable

@@ -1,0 +1,242 @@
+"""Composers: a general list-of-steps compressor, the UniCache pipeline, a per-layer wrapper.
+
+UniCache (source document 000, §10 skeleton; DESIGN §6) runs, in this fixed order::
+
+    fallback (on the uncompressed input) -> head merge -> importance -> layer rate
+        -> modality budgets -> alignment protection -> merge/evict/keep -> quantize
+
+Each step is a small dataclass (its fields are its hyperparameters) acting on a shared
+:class:`~unicache_train.compress.state.CompressionState`; statistics derived from K/V are
+recomputed after any structural change. :class:`ComposedCompressor` takes any list of steps in
+stage order, so other methods (e.g. an xKV cross-layer step) plug in as one more step.
+
+Rate 0 (``rate_scale == 0``, or ``target_rate == 0`` with the fallback off), decided at every
+call so that a curriculum can start there (``set_rate_scale``), short-circuits to the identity:
+no head merging and no token removal, the input K/V tensors themselves are returned, so the
+in-loop forward is bit-for-bit the plain forward. An active quantizer (bits 4/8) still
+runs then: rate 0 with int8 keeps every entry but stores it in int8.
+
+Stats on every segment (scalars, no gradient): ``keep_ratio`` (entries / context tokens) and
+``keep_ratio/<modality>`` for the modalities present, ``kv_bytes`` (stored bytes of the batch for
+this layer, including scales and head sharing), ``kv_bytes_ratio`` (vs the 16-bit uncompressed
+context cache), ``merged_fraction`` and ``evicted_fraction`` (of context tokens),
+``heads_merged`` (KV heads merged away, mean over samples), ``protected_fraction``,
+``rate_target`` (mean requested layer rate), ``budget_shortfall`` (tokens the budget asked for but
+protection forbade removing, / context tokens) and ``complexity`` (when the fallback ran).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from unicache_train.compress.base import (
+    MODALITY_NAMES,
+    CompressionInput,
+    IdentityCompressor,
+    KVCompressor,
+    KVSegment,
+)
+from unicache_train.compress.budget import ModalityBudget
+from unicache_train.compress.common import check_modalities
+from unicache_train.compress.config import UniCacheConfig
+from unicache_train.compress.fallback import DynamicFallback
+from unicache_train.compress.head_merge import HeadMerge, num_groups
+from unicache_train.compress.importance import Importance
+from unicache_train.compress.merge_evict import MergeEvict
+from unicache_train.compress.protect import AlignmentProtect
+from unicache_train.compress.quantize import Quantize, baseline_kv_bytes, segment_kv_bytes
+from unicache_train.compress.schedule import LayerSchedule
+from unicache_train.compress.state import CompressionState, CompressionStep, identity_segment
+
+__all__ = ["ComposedCompressor", "UniCacheCompressor", "PerLayerCompressor", "segment_stats"]
+
+
+class ComposedCompressor:
+    """Runs a list of steps on one layer's context and returns the segment.
+
+    Args:
+        steps: callables ``state -> state``; if they declare ``stage`` it must not decrease
+            (quantization last, fallback first).
+        target_rate: default per-sample target before the fallback step.
+        rate_scale: curriculum factor in [0, 1].
+        window, neighbours, frame_stride, similarity: definition of the shared statistics
+            (observation window, neighbour window); the importance step may override them.
+        cache_dtype_bytes: bytes per element of the uncompressed baseline cache.
+    """
+
+    pre_rope = False
+
+    def __init__(
+        self,
+        steps: Sequence[CompressionStep],
+        *,
+        target_rate: float = 0.6,
+        rate_scale: float = 1.0,
+        window: int = 32,
+        neighbours: int = 4,
+        frame_stride: int = 0,
+        similarity: str = "keys",
+        cache_dtype_bytes: int = 2,
+    ) -> None:
+        stages = [getattr(s, "stage", None) for s in steps]
+        known = [s for s in stages if s is not None]
+        if known != sorted(known):
+            names = [type(s).__name__ for s in steps]
+            raise ValueError(
+                f"steps {names} are out of order (stages {stages}); the UniCache "
+                "order is fallback, head merge, importance, layer rate, budgets, "
+                "protection, merge/evict, quantize"
+            )
+        self.steps = list(steps)
+        self.target_rate = target_rate
+        self.rate_scale = rate_scale
+        self.window, self.neighbours = window, neighbours
+        self.frame_stride, self.similarity = frame_stride, similarity
+        self.cache_dtype_bytes = cache_dtype_bytes
+
+    def is_rate_zero(self) -> bool:
+        """Rate 0: only steps marked ``runs_at_rate_zero`` (quantization) run."""
+        return self.rate_scale == 0 or self.target_rate == 0
+
+    def set_rate_scale(self, rate_scale: float) -> None:
+        """Curriculum hook: set the factor in [0, 1] applied to every rate from the next call."""
+        if isinstance(rate_scale, bool) or not 0.0 <= float(rate_scale) <= 1.0:
+            raise ValueError(f"rate_scale={rate_scale!r} is out of range; allowed [0.0, 1.0]")
+        self.rate_scale = float(rate_scale)
+
+    def run(self, inp: CompressionInput) -> CompressionState:
+        """All intermediate results (rates, scores, protected tokens, segment) of one call."""
+        check_modalities(inp.modality_ids, inp.context_mask)
+        state = CompressionState.from_input(
+            inp,
+            self.target_rate * self.rate_scale,
+            rate_scale=self.rate_scale,
+            reference_target=self.target_rate,
+            window=self.window,
+            neighbours=self.neighbours,
+            frame_stride=self.frame_stride,
+            similarity=self.similarity,
+        )
+        # NOTE: decided per call, so a curriculum may move rate_scale away from 0 at any time.
+        zero = self.is_rate_zero()
+        for step in self.steps:
+            if zero and not getattr(step, "runs_at_rate_zero", False):
+                continue
+            state = step(state)
+        if state.segment is None:
+            seg = identity_segment(state)
+            state.segment = seg
+        state.segment.stats.update(segment_stats(state, self.cache_dtype_bytes))
+        return state
+
+    def __call__(self, inp: CompressionInput) -> KVSegment:
+        return self.run(inp).segment  # type: ignore[return-value]
+
+
+class UniCacheCompressor(ComposedCompressor):
+    """The UniCache pipeline built from a :class:`UniCacheConfig` (defaults: DESIGN §6).
+
+    Callable as ``compressor(inp) -> KVSegment`` at the attention seam; :meth:`run` returns the
+    full :class:`CompressionState` for analysis and tests.
+    """
+
+    def __init__(self, config: UniCacheConfig | None = None) -> None:
+        cfg = config if config is not None else UniCacheConfig()
+        self.config = cfg
+        steps: list[CompressionStep] = [
+            DynamicFallback(**vars(cfg.fallback)),
+            HeadMerge(**vars(cfg.head_merge)),
+            Importance(**vars(cfg.importance)),
+            LayerSchedule(**vars(cfg.schedule)),
+            ModalityBudget(**vars(cfg.budget)),
+            AlignmentProtect(**vars(cfg.protect)),
+            MergeEvict(**vars(cfg.merge_evict)),
+            Quantize(**vars(cfg.quantize)),
+        ]
+        imp = cfg.importance
+        super().__init__(
+            steps,
+            target_rate=cfg.target_rate,
+            rate_scale=cfg.rate_scale,
+            window=imp.window,
+            neighbours=imp.neighbours,
+            frame_stride=imp.frame_stride,
+            similarity=imp.similarity,
+            cache_dtype_bytes=cfg.cache_dtype_bytes,
+        )
+
+    def is_rate_zero(self) -> bool:
+        # The fallback sets a rate in [min_rate, max_rate] whatever target_rate says.
+        return self.rate_scale == 0 or (self.target_rate == 0 and not self.config.fallback.enabled)
+
+    def set_rate_scale(self, rate_scale: float) -> None:
+        super().set_rate_scale(rate_scale)
+        self.config.rate_scale = self.rate_scale
+
+    def __repr__(self) -> str:
+        return f"UniCacheCompressor({self.config!r})"
+
+
+@dataclass
+class PerLayerCompressor:
+    """Chooses a compressor per layer: ``overrides[layer_idx]`` or ``default``.
+
+    E.g. keep the first layers uncompressed: ``PerLayerCompressor(UniCacheCompressor(cfg),
+    {0: IdentityCompressor()})``. All compressors must agree on ``pre_rope``.
+    """
+
+    default: KVCompressor = field(default_factory=IdentityCompressor)
+    overrides: dict[int, KVCompressor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        flags = {
+            bool(getattr(c, "pre_rope", False)) for c in (self.default, *self.overrides.values())
+        }
+        if len(flags) > 1:
+            raise ValueError("PerLayerCompressor: all compressors must agree on pre_rope")
+        self.pre_rope = flags.pop()
+
+    def __call__(self, inp: CompressionInput) -> KVSegment:
+        return self.overrides.get(inp.layer_idx, self.default)(inp)
+
+
+@torch.no_grad()
+def segment_stats(state: CompressionState, cache_dtype_bytes: int = 2) -> dict[str, torch.Tensor]:
+    """Scalar diagnostics of one layer's segment (see module docstring)."""
+    inp, seg = state.inp, state.segment
+    assert seg is not None
+    ctx = inp.context_mask
+    n_ctx = ctx.sum().double().clamp_min(1.0)
+    valid = seg.valid
+    counts = torch.where(valid, seg.counts.double(), 0.0)
+    stats: dict[str, torch.Tensor] = {"keep_ratio": valid.sum() / n_ctx}
+    for m, name in enumerate(MODALITY_NAMES):
+        n_m = (ctx & (inp.modality_ids == m)).sum()
+        if int(n_m) > 0:
+            stats[f"keep_ratio/{name}"] = (valid & (seg.modality_ids == m)).sum() / n_m.double()
+    kv = segment_kv_bytes(seg, cache_dtype_bytes).sum()
+    base = baseline_kv_bytes(inp, cache_dtype_bytes).sum()
+    stats["kv_bytes"] = kv
+    stats["kv_bytes_ratio"] = kv / base.clamp_min(1.0)
+    stats["merged_fraction"] = (counts - valid.double()).sum() / n_ctx
+    stats["evicted_fraction"] = (n_ctx - counts.sum()).clamp_min(0.0) / n_ctx
+    H = inp.keys.shape[1]
+    heads = num_groups(seg.head_groups).double() if seg.head_groups is not None else None
+    stats["heads_merged"] = (
+        (H - heads).mean() if heads is not None else torch.zeros((), dtype=torch.float64)
+    )
+    prot = state.protected
+    stats["protected_fraction"] = (
+        (prot & ctx).sum() / n_ctx if prot is not None else (torch.zeros((), dtype=torch.float64))
+    )
+    rate = state.layer_rate if state.layer_rate is not None else state.target
+    stats["rate_target"] = rate.double().mean()
+    if state.plan is not None:
+        stats["budget_shortfall"] = state.plan.shortfall.sum() / n_ctx
+    if state.complexity is not None:
+        stats["complexity"] = state.complexity.double().mean()
+    dev = inp.keys.device
+    return {k: v.to(device=dev, dtype=torch.float32) for k, v in stats.items()}

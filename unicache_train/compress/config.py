@@ -1,0 +1,391 @@
+"""Validated configuration of the UniCache compressor (source document 000, DESIGN §6).
+
+One dataclass per pipeline step; :class:`UniCacheConfig` holds them plus the global target, the
+curriculum ``rate_scale`` and the cache dtype used by the byte accounting. Every default is the
+source's default and every range is the range the source recommends (§6 of DESIGN.md), so a
+value outside it raises :class:`~unicache_train.config.ConfigError` naming the field, the value
+and the allowed range. The step classes (``HeadMerge``, ``Importance``, ...) subclass these
+dataclasses, so a method's fields *are* its hyperparameters.
+
+Rate convention (source §4.3, §5.2, §5.3, §7.2): a **compression rate** is the fraction of
+context tokens *removed* (evicted or merged away): 0 keeps everything, 0.75 keeps a quarter.
+The source's "shallow 75% / deep 45%" (deep layers are protected), "visual cap 80% / text cap
+40%" (caps stop a modality from being crushed), "alignment tokens: others 60%, they only 30%"
+and "higher complexity -> lower rate" are all consistent only with this reading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from unicache_train.config import ConfigError, _choice, _int, _range
+
+__all__ = [
+    "HeadMergeConfig",
+    "ImportanceConfig",
+    "ScheduleConfig",
+    "BudgetConfig",
+    "ProtectConfig",
+    "MergeEvictConfig",
+    "QuantizeConfig",
+    "FallbackConfig",
+    "UniCacheConfig",
+    "MAX_RATE",
+]
+
+#: No layer or modality ever removes more than this fraction (a cache must keep something).
+MAX_RATE = 0.95
+
+
+def _bool(obj: Any, name: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{type(obj).__name__}.{name}={value!r}: expected true or false")
+
+
+def _optional_rate(obj: Any, name: str, hi: float) -> None:
+    if getattr(obj, name) is not None:
+        _range(obj, name, 0.0, hi)
+
+
+@dataclass
+class HeadMergeConfig:
+    """Head merging (source §3.2): KV heads of a layer whose context K/V are similar are
+    averaged into one stored copy per group.
+
+    Attributes:
+        enabled: run this step.
+        threshold: cosine similarity a head must *exceed* with every member of a group to join
+            it (source: 0.85-0.92, default 0.88).
+        similarity: ``"keys"``: cosine of the heads' flattened context keys; ``"kv"``: the
+            smaller of the key cosine and the value cosine (stricter: K and V must both agree).
+    """
+
+    enabled: bool = True
+    threshold: float = 0.88
+    similarity: str = "keys"
+
+    def __post_init__(self) -> None:
+        _bool(self, "enabled")
+        _range(self, "threshold", 0.85, 0.92)
+        _choice(self, "similarity", ("keys", "kv"))
+
+
+@dataclass
+class ImportanceConfig:
+    """Token importance ``s = w_a*a + w_c*c - w_d*d + w_r*r`` (source §2.3, §4.2, §4.3).
+
+    Attributes:
+        enabled: run this step (without it every token scores 0: selection by position only).
+        window: W, the number of last context queries whose attention is observed (a, c).
+        w_a, w_c, w_d, w_r: weights of attention, cross-modal, redundancy, recency.
+        shallow_w_d: w_d in the shallow third of the layers (``3*layer < num_layers``).
+        deep_w_a: w_a in the deep third (``3*layer >= 2*num_layers``).
+        neighbours: k, neighbours on each side compared for redundancy (source: 4-8).
+        frame_stride: if > ``neighbours``, the tokens ``j * frame_stride`` before/after for
+            ``j = 1..neighbours`` (the same patch in the previous/next frames of a video) are
+            neighbours too (long-video preset: patches per frame).
+        similarity: ``"keys"`` (cosine of keys) or ``"kv"`` (mean of key and value cosines).
+        normalize: ``"modality"`` (a and c normalized within each modality, the method) or
+            ``"global"`` (over all context tokens: the text-style baseline; source §2.3 warns
+            that it makes the model "read the text and ignore the image").
+    """
+
+    enabled: bool = True
+    window: int = 32
+    w_a: float = 0.4
+    w_c: float = 0.3
+    w_d: float = 0.2
+    w_r: float = 0.1
+    shallow_w_d: float = 0.3
+    deep_w_a: float = 0.5
+    neighbours: int = 4
+    frame_stride: int = 0
+    similarity: str = "keys"
+    normalize: str = "modality"
+
+    def __post_init__(self) -> None:
+        _bool(self, "enabled")
+        _int(self, "window", 1, 4096)
+        for name in ("w_a", "w_c", "w_d", "w_r", "shallow_w_d", "deep_w_a"):
+            _range(self, name, 0.0, 1.0)
+        _int(self, "neighbours", 4, 8)
+        _int(self, "frame_stride", 0, 1 << 20)
+        _choice(self, "similarity", ("keys", "kv"))
+        _choice(self, "normalize", ("modality", "global"))
+
+
+@dataclass
+class ScheduleConfig:
+    """Per-layer rate on a cosine curve shallow -> deep (source §4.3, §9 pitfall 4).
+
+    The curve goes from ``shallow_rate`` (layer 0) through their mean (middle layer) to
+    ``deep_rate`` (last layer); it is then scaled so that its mean over layers equals the
+    target rate (with the defaults and target 0.6: exactly 0.75 -> 0.60 -> 0.45).
+
+    Attributes:
+        enabled: run this step (without it every layer gets the target rate).
+        shallow_rate: rate of the first layer at the reference target.
+        deep_rate: rate of the last layer at the reference target.
+    """
+
+    enabled: bool = True
+    shallow_rate: float = 0.75
+    deep_rate: float = 0.45
+
+    def __post_init__(self) -> None:
+        _bool(self, "enabled")
+        _range(self, "shallow_rate", 0.0, MAX_RATE)
+        _range(self, "deep_rate", 0.0, MAX_RATE)
+        if self.shallow_rate + self.deep_rate == 0:
+            raise ConfigError(
+                "ScheduleConfig.shallow_rate + deep_rate must be > 0 (the curve is scaled to "
+                "the target by its mean)"
+            )
+
+
+@dataclass
+class BudgetConfig:
+    """Modality budgets from information density (source §5.2).
+
+    Attributes:
+        enabled: run this step (without it every modality gets the layer rate: uniform).
+        text_cap, vision_cap, audio_cap: the most a modality may lose (source: visual 0.80,
+            text 0.40). Audio (not in the source) defaults to 0.60: speech frames are far more
+            redundant than text tokens, but carry words, so it sits between the two.
+        text_rate, vision_rate, audio_rate: optional fixed rates (presets). A fixed rate is the
+            rate at the reference ``target_rate`` and follows the layer curve
+            (``fixed * layer_rate / target_rate``); the other modalities share the rest.
+        density_floor: smallest density used (a modality of identical tokens has density 0).
+    """
+
+    enabled: bool = True
+    text_cap: float = 0.40
+    vision_cap: float = 0.80
+    audio_cap: float = 0.60
+    text_rate: float | None = None
+    vision_rate: float | None = None
+    audio_rate: float | None = None
+    density_floor: float = 0.05
+
+    def __post_init__(self) -> None:
+        _bool(self, "enabled")
+        for name in ("text_cap", "vision_cap", "audio_cap"):
+            _range(self, name, 0.0, MAX_RATE)
+        _optional_rate(self, "text_rate", self.text_cap)
+        _optional_rate(self, "vision_rate", self.vision_cap)
+        _optional_rate(self, "audio_rate", self.audio_cap)
+        _range(self, "density_floor", 0.0, 1.0, lo_open=True)
+
+    @property
+    def caps(self) -> tuple[float, float, float]:
+        return (self.text_cap, self.vision_cap, self.audio_cap)
+
+    @property
+    def fixed_rates(self) -> tuple[float, float, float]:
+        """Fixed rates per modality, NaN where the density rule decides."""
+        return tuple(
+            math.nan if r is None else r
+            for r in (self.text_rate, self.vision_rate, self.audio_rate)
+        )  # type: ignore[return-value]
+
+
+@dataclass
+class ProtectConfig:
+    """Alignment protection (source §5.3).
+
+    A context token is an *alignment token* when its cross-modal attention share exceeds
+    ``threshold`` (see :func:`unicache_train.compress.common.window_stats`). Alignment tokens
+    of a modality are compressed at ``discount`` times the modality's rate, and never evicted:
+    if removed at all they are merged into a similar kept neighbour.
+
+    Attributes:
+        enabled: run this step.
+        threshold: share above which a token is protected (source: 0.30).
+        discount: rate multiplier for protected tokens (source: 0.5, i.e. "others 60%, they
+            30%"; dense-doc preset: 0.4, stronger protection).
+    """
+
+    enabled: bool = True
+    threshold: float = 0.30
+    discount: float = 0.5
+
+    def __post_init__(self) -> None:
+        _bool(self, "enabled")
+        _range(self, "threshold", 0.0, 1.0)
+        _range(self, "discount", 0.0, 1.0)
+
+
+@dataclass
+class MergeEvictConfig:
+    """Execution (source §6.1, §6.2): merge redundant tokens, evict low-score ones, keep the rest.
+
+    Attributes:
+        enabled: run this step (without it no token is removed).
+        merge_threshold: redundancy above which a token is merged into its most similar kept
+            neighbour (source: 0.8).
+        evict_threshold: lower edge of the evict band ``(evict_threshold, merge_threshold]``
+            (source: 0.5).
+    """
+
+    enabled: bool = True
+    merge_threshold: float = 0.8
+    evict_threshold: float = 0.5
+
+    def __post_init__(self) -> None:
+        _bool(self, "enabled")
+        _range(self, "merge_threshold", 0.5, 1.0)
+        _range(self, "evict_threshold", 0.0, self.merge_threshold)
+
+
+@dataclass
+class QuantizeConfig:
+    """Symmetric per-head quantization of the compressed segment (source §6.3, §9 pitfall 3).
+
+    Attributes:
+        enabled: run this step.
+        bits: 8 (int8), 4 (int4, packed two per byte), or None / 16 (no quantization).
+        granularity: ``"token_head"``: one scale per (token, head) vector of K and of V (the
+            default; an outlier token cannot spoil the others) or ``"head"``: one scale per
+            head per sample over the segment (the source's per-head). Never a global scale.
+        scale_dtype: ``"float16"`` or ``"float32"`` storage of the scales.
+    """
+
+    enabled: bool = True
+    bits: int | None = 8
+    granularity: str = "token_head"
+    scale_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        _bool(self, "enabled")
+        if self.bits not in (None, 4, 8, 16) or isinstance(self.bits, bool):
+            raise ConfigError(
+                f"QuantizeConfig.bits={self.bits!r} is not allowed; choose one of [4, 8, 16, None]"
+            )
+        _choice(self, "granularity", ("token_head", "head"))
+        _choice(self, "scale_dtype", ("float16", "float32"))
+
+    @property
+    def active(self) -> bool:
+        """True when this step changes the values (bits 4 or 8)."""
+        return self.enabled and self.bits in (4, 8)
+
+
+@dataclass
+class FallbackConfig:
+    """Dynamic fallback (source §7.2, §9 pitfall 2), computed on the *uncompressed* input.
+
+    ``complexity = log(max(V, 1)) + log(max(T, 1)) + lambda_align * N_align / (T + V)``, with T
+    the text and V the non-text (vision + audio) context tokens of a sample and N_align its
+    alignment tokens (cross-modal share above ``align_threshold``). The rate falls linearly from
+    ``max_rate`` at ``complexity <= low`` to ``min_rate`` at ``complexity >= high``; it replaces
+    ``UniCacheConfig.target_rate`` per sample.
+
+    Attributes:
+        enabled: run this step (off by default: then ``target_rate`` is the target).
+        lambda_align: weight of the alignment share (source: 2.0).
+        align_threshold: share above which a token counts in N_align.
+        min_rate, max_rate: the rate interval (source: [0.40, 0.75]).
+        low, high: complexity range mapped onto it (natural logs: about 8 for 256 image
+            tokens + 16 text tokens, about 15 for 20k video tokens + 100 text tokens).
+    """
+
+    enabled: bool = False
+    lambda_align: float = 2.0
+    align_threshold: float = 0.30
+    min_rate: float = 0.40
+    max_rate: float = 0.75
+    low: float = 8.0
+    high: float = 16.0
+
+    def __post_init__(self) -> None:
+        _bool(self, "enabled")
+        _range(self, "lambda_align", 0.0, 10.0)
+        _range(self, "align_threshold", 0.0, 1.0)
+        _range(self, "min_rate", 0.0, MAX_RATE)
+        _range(self, "max_rate", self.min_rate, MAX_RATE)
+        _range(self, "low", 0.0, 100.0)
+        _range(self, "high", self.low, 100.0, lo_open=True)
+
+
+@dataclass
+class UniCacheConfig:
+    """The whole UniCache pipeline (DESIGN §6). Steps run in the fixed order fallback -> head
+    merge -> importance -> layer rates -> modality budgets -> protection -> merge/evict ->
+    quantize.
+
+    Attributes:
+        target_rate: mean fraction of context tokens removed per layer (source: 0.6).
+        rate_scale: curriculum factor in [0, 1] multiplying every token rate (and moving the
+            head-merge threshold from 1, i.e. nothing merges, to its configured value).
+            ``rate_scale == 0`` or ``target_rate == 0`` (fallback off) is rate 0: no head or
+            token compression at all, the context K/V pass through bit-for-bit; only an active
+            quantizer (bits 4/8) still applies, so rate 0 with int8 is "lossless structure,
+            int8 values", not the identity.
+        cache_dtype_bytes: bytes per element of the uncompressed cache the byte ratio compares
+            against (2: fp16/bf16), also used for unquantized segments.
+    """
+
+    target_rate: float = 0.6
+    rate_scale: float = 1.0
+    cache_dtype_bytes: int = 2
+    head_merge: HeadMergeConfig = field(default_factory=HeadMergeConfig)
+    importance: ImportanceConfig = field(default_factory=ImportanceConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    protect: ProtectConfig = field(default_factory=ProtectConfig)
+    merge_evict: MergeEvictConfig = field(default_factory=MergeEvictConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    fallback: FallbackConfig = field(default_factory=FallbackConfig)
+
+    def __post_init__(self) -> None:
+        _range(self, "target_rate", 0.0, MAX_RATE)
+        _range(self, "rate_scale", 0.0, 1.0)
+        _int(self, "cache_dtype_bytes", 1, 8)
+        for f in dataclasses.fields(self):
+            sub = _SUBCONFIGS.get(f.name)
+            if sub is not None and not isinstance(getattr(self, f.name), sub):
+                raise ConfigError(
+                    f"UniCacheConfig.{f.name}={getattr(self, f.name)!r}: expected a {sub.__name__}"
+                )
+
+    @property
+    def is_rate_zero(self) -> bool:
+        """True when no head or token compression may happen (see ``rate_scale``)."""
+        return self.rate_scale == 0 or (self.target_rate == 0 and not self.fallback.enabled)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> UniCacheConfig:
+        """Build from a nested mapping (e.g. a YAML ``compress`` section); unknown keys raise."""
+        data = dict(data or {})
+        _reject_unknown(cls, data, "UniCacheConfig")
+        for name, sub in _SUBCONFIGS.items():
+            if isinstance(data.get(name), dict):
+                _reject_unknown(sub, data[name], f"UniCacheConfig.{name}")
+                data[name] = sub(**data[name])
+        return cls(**data)
+
+
+def _reject_unknown(cls: type, data: dict[str, Any], where: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown field(s) {unknown} in {where}; known: {sorted(known)}")
+
+
+_SUBCONFIGS: dict[str, type] = {
+    "head_merge": HeadMergeConfig,
+    "importance": ImportanceConfig,
+    "schedule": ScheduleConfig,
+    "budget": BudgetConfig,
+    "protect": ProtectConfig,
+    "merge_evict": MergeEvictConfig,
+    "quantize": QuantizeConfig,
+    "fallback": FallbackConfig,
+}

@@ -1,0 +1,101 @@
+"""Scenario presets (source document 000 §8.1, §8.2) and the text-style baseline.
+
+Each function returns a fresh, validated :class:`UniCacheConfig`; overrides are keyword
+arguments of the function or plain attribute edits afterwards.
+
+* :func:`default` (§8.1): head threshold 0.88, layers 0.75 / 0.60 / 0.45, weights
+  0.4/0.3/0.2/0.1, density budgets with caps, discount 0.5, int8.
+* :func:`long_video` (§8.2): vision at 0.78 (0.75-0.8) and text kept at 0.25 (at the reference
+  target, following the layer curve), and the same patch in adjacent frames counts as a
+  neighbour (``frame_stride = patches_per_frame``), so redundant patches merge across frames.
+* :func:`dense_doc_qa` (§8.2): text at 0.175 (0.15-0.2), vision 0.7, stronger alignment
+  protection (discount 0.4).
+* :func:`realtime` (§8.2): head merging favoured (threshold 0.85), every token rate 5 points
+  lower (target 0.55, fallback interval [0.35, 0.70]).
+* :func:`text_style_baseline`: what a text KV method does to a multimodal cache (the comparison
+  point of the evaluation): attention normalized over all tokens, one uniform rate for every
+  modality, no alignment protection. Everything else as the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from unicache_train.compress.config import UniCacheConfig
+
+__all__ = [
+    "default",
+    "long_video",
+    "dense_doc_qa",
+    "realtime",
+    "text_style_baseline",
+    "PRESETS",
+    "preset",
+]
+
+
+def default() -> UniCacheConfig:
+    """The source's default configuration (§8.1)."""
+    return UniCacheConfig()
+
+
+def long_video(patches_per_frame: int = 0, vision_rate: float = 0.78) -> UniCacheConfig:
+    """Long video: hard visual compression, adjacent-frame patch merging.
+
+    Args:
+        patches_per_frame: visual tokens per frame (0: no cross-frame neighbours).
+        vision_rate: visual rate at the reference target (source: 0.75-0.8).
+    """
+    cfg = UniCacheConfig()
+    cfg.budget.vision_rate = vision_rate
+    cfg.budget.text_rate = 0.25
+    cfg.importance.frame_stride = patches_per_frame
+    return _revalidate(cfg)
+
+
+def dense_doc_qa(text_rate: float = 0.175) -> UniCacheConfig:
+    """Dense document QA: gentle text compression, stronger alignment protection."""
+    cfg = UniCacheConfig()
+    cfg.budget.text_rate = text_rate
+    cfg.budget.vision_rate = 0.70
+    cfg.protect.discount = 0.4
+    return _revalidate(cfg)
+
+
+def realtime() -> UniCacheConfig:
+    """Realtime dialogue: more head merging, token rates 5 points lower."""
+    cfg = UniCacheConfig()
+    cfg.head_merge.threshold = 0.85
+    cfg.target_rate = 0.55
+    cfg.fallback.min_rate, cfg.fallback.max_rate = 0.35, 0.70
+    return _revalidate(cfg)
+
+
+def text_style_baseline() -> UniCacheConfig:
+    """Global normalization, uniform budgets, no protection (the comparison baseline)."""
+    cfg = UniCacheConfig()
+    cfg.importance.normalize = "global"
+    cfg.budget.enabled = False
+    cfg.protect.enabled = False
+    return _revalidate(cfg)
+
+
+def _revalidate(cfg: UniCacheConfig) -> UniCacheConfig:
+    # Attribute edits bypass __post_init__: rebuild so a preset can never carry a bad value.
+    return UniCacheConfig.from_dict(cfg.to_dict())
+
+
+PRESETS: dict[str, Callable[[], UniCacheConfig]] = {
+    "default": default,
+    "long_video": long_video,
+    "dense_doc_qa": dense_doc_qa,
+    "realtime": realtime,
+    "text_style_baseline": text_style_baseline,
+}
+
+
+def preset(name: str) -> UniCacheConfig:
+    """A preset by name (see :data:`PRESETS`)."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown UniCache preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()

@@ -1,0 +1,197 @@
+"""Symmetric per-head quantization of the compressed segment, and KV byte accounting (source
+document 000 §6.3, §9 pitfall 3).
+
+Quantization runs last, after token compression (quantization noise would otherwise disturb the
+importance estimates). ``x ~= q * scale`` with ``scale = max|x| / qmax``, ``qmax = 127`` (int8)
+or 7 (int4), ``q = round(x / scale)`` clamped to ``[-qmax, qmax]``. The scale is taken
+
+* ``granularity="token_head"`` (default): per (sample, head, entry) vector, separately for K and
+  V: one scale per D values, so neither an outlier token nor a loud head can spoil another
+  vector's precision (KV caches mix heads and tokens of very different ranges);
+* ``granularity="head"``: per (sample, head) over all valid entries of the segment, separately
+  for K and V (the source's "per-head"); padding entries are excluded from the max.
+
+Never a global scale: the source's pitfall is exactly one head's range flattening another's.
+Scales are stored (and applied) in ``scale_dtype`` (fp16 by default). In the training loop the
+dequantized values pass gradients straight through (STE: the forward sees ``q * scale`` exactly,
+the backward is the identity). Storage: int8 tensors, or int4 packed two per byte (low nibble
+first); :func:`segment_kv_bytes` counts those bytes plus the scales, one copy per head group.
+
+Byte baseline (``kv_bytes_ratio``): the uncompressed context cache in 16-bit
+(``cache_dtype_bytes = 2``): ``H_kv * L_ctx * (D_k + D_v) * 2`` bytes per sample and layer
+(``2 * H_kv * L_ctx * D * 2`` for GQA). Unquantized segments count ``cache_dtype_bytes`` too.
+Per-entry metadata (merge counts, positions) is not counted: one scalar per entry against
+``2 * H_kv * D`` payload values.
+
+Shape legend: B, H, M, D = batch, KV heads, segment entries, head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from unicache_train.compress.base import CompressionInput, KVSegment, QuantizedKV
+from unicache_train.compress.config import QuantizeConfig
+from unicache_train.compress.head_merge import num_groups
+from unicache_train.compress.state import CompressionState, identity_segment
+
+__all__ = [
+    "Quantize",
+    "quantize_symmetric",
+    "pack_int4",
+    "unpack_int4",
+    "dequantize",
+    "segment_kv_bytes",
+    "baseline_kv_bytes",
+]
+
+_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def _qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def quantize_symmetric(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    bits: int = 8,
+    granularity: str = "token_head",
+    scale_dtype: torch.dtype = torch.float16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fake-quantize with a straight-through gradient.
+
+    Args:
+        x: [B, H, M, D].
+        valid: [B, M] bool (padding is zeroed and excluded from head scales).
+        bits: 8 or 4.
+        granularity: ``"token_head"`` or ``"head"``.
+        scale_dtype: storage dtype of the scales.
+
+    Returns:
+        (x_q [B, H, M, D] in x's dtype, forward ``q * scale`` and identity gradient;
+        q int8 [B, H, M, D]; scale [B, H, M] or [B, H] in ``scale_dtype``).
+    """
+    qmax = _qmax(bits)
+    vm = valid[:, None, :, None]
+    xf = x.detach().float() * vm
+    if granularity == "token_head":
+        amax = xf.abs().amax(-1)  # [B, H, M]
+    else:
+        amax = xf.abs().amax(dim=(2, 3)) if xf.shape[2] else xf.new_zeros(xf.shape[:2])
+    finfo = torch.finfo(scale_dtype)
+    scale = (amax / qmax).clamp(max=finfo.max).to(scale_dtype)
+    s = scale.float()
+    s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero vector (or underflow): q = 0
+    s_b = s[..., None] if granularity == "token_head" else s[:, :, None, None]
+    q = torch.round(xf / s_b).clamp(-qmax, qmax)
+    deq = (q * s_b).to(x.dtype)
+    # STE: the forward value is exactly `deq`, the gradient w.r.t. x is the identity.
+    x_q = deq + (x - x.detach())
+    return x_q, q.to(torch.int8), scale
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7], [..., D] -> uint8 [..., ceil(D / 2)], low nibble first."""
+    if q.shape[-1] % 2:
+        q = torch.nn.functional.pad(q, (0, 1))
+    u = (q.to(torch.int16) & 0x0F).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: uint8 [..., ceil(D / 2)] -> int8 [..., D]."""
+    lo = (packed & 0x0F).to(torch.int16)
+    hi = (packed >> 4).to(torch.int16)
+    both = torch.stack([lo, hi], -1).flatten(-2)[..., :dim]
+    return torch.where(both > 7, both - 16, both).to(torch.int8)
+
+
+def dequantize(quant: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed storage -> (keys, values) float32 [B, H, M, D]."""
+
+    def one(data: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+        q = unpack_int4(data, dim) if quant.bits == 4 else data
+        s = scale.float()
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        s = s[..., None] if quant.granularity == "token_head" else s[:, :, None, None]
+        return q.float() * s
+
+    v_dim = quant.value_dim if quant.value_dim is not None else quant.head_dim
+    return one(quant.k_data, quant.k_scale, quant.head_dim), one(quant.v_data, quant.v_scale, v_dim)
+
+
+def segment_kv_bytes(segment: KVSegment, cache_dtype_bytes: int = 2) -> torch.Tensor:
+    """Storage bytes of a segment per sample: valid entries x stored heads x (payload + scales),
+    for K and for V.
+
+    Returns:
+        [B] float64.
+    """
+    H = segment.keys.shape[1]
+    n = segment.valid.sum(1).double()  # [B]
+    G = (
+        num_groups(segment.head_groups).double()
+        if segment.head_groups is not None
+        else torch.full_like(n, H)
+    )
+    q = segment.quant
+    if q is None:
+        width = segment.keys.shape[-1] + segment.values.shape[-1]
+        return G * n * width * cache_dtype_bytes
+    total = torch.zeros_like(n)
+    for data, scale in ((q.k_data, q.k_scale), (q.v_data, q.v_scale)):
+        payload = data.shape[-1] * data.element_size()  # bytes per stored vector
+        if q.granularity == "token_head":
+            total = total + G * n * (payload + scale.element_size())
+        else:
+            total = total + G * n * payload + G * scale.element_size() * (n > 0)
+    return total
+
+
+def baseline_kv_bytes(inp: CompressionInput, cache_dtype_bytes: int = 2) -> torch.Tensor:
+    """Uncompressed 16-bit context cache bytes per sample: ``H_kv * L * (D_k + D_v) * bytes``.
+
+    Returns:
+        [B] float64.
+    """
+    H, width = inp.keys.shape[1], inp.keys.shape[-1] + inp.values.shape[-1]
+    return float(H * width * cache_dtype_bytes) * inp.context_mask.sum(1).double()
+
+
+@dataclass
+class Quantize(QuantizeConfig):
+    """Pipeline step (last): quantize the segment's K and V, attach the packed storage.
+
+    Makes the identity segment first when no earlier step emitted one.
+    """
+
+    stage: ClassVar[int] = 7
+    runs_at_rate_zero: ClassVar[bool] = True  # rate 0 with int8 still stores int8
+
+    def __call__(self, state: CompressionState) -> CompressionState:
+        if not self.active:
+            return state
+        seg = state.segment if state.segment is not None else identity_segment(state)
+        sdt = _DTYPES[self.scale_dtype]
+        bits = int(self.bits)  # type: ignore[arg-type]
+        seg.keys, kq, ks = quantize_symmetric(seg.keys, seg.valid, bits, self.granularity, sdt)
+        seg.values, vq, vs = quantize_symmetric(seg.values, seg.valid, bits, self.granularity, sdt)
+        if bits == 4:
+            kq, vq = pack_int4(kq), pack_int4(vq)
+        dk, dv = seg.keys.shape[-1], seg.values.shape[-1]
+        seg.quant = QuantizedKV(
+            bits=bits,
+            granularity=self.granularity,
+            k_data=kq,
+            v_data=vq,
+            k_scale=ks,
+            v_scale=vs,
+            head_dim=dk,
+            value_dim=dv if dv != dk else None,
+        )
+        state.segment = seg
+        return state

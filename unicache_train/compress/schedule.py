@@ -1,0 +1,80 @@
+"""Per-layer compression rates on a smooth cosine curve (source document 000 §4.3, §9 pitfall 4).
+
+Shallow layers hold low-level, redundant features and are compressed hard; deep layers hold
+semantics and cross-modal fusion and are compressed gently. The source's thirds (0.75 / 0.60 /
+0.45) as hard steps cause representation jumps at the boundaries, and linear interpolation is
+not smooth enough for shallow models, so the curve is a half cosine::
+
+    curve(l) = deep + (shallow - deep) * (1 + cos(pi * x_l)) / 2,  x_l = l / (L - 1)
+
+(x = 0.5 for a single layer). It passes shallow at layer 0, the mean at the middle and deep at
+the last layer; consecutive layers differ by at most ``(shallow - deep) * pi / (2 (L - 1))``
+(the curve's max slope). Its mean over layers is exactly ``(shallow + deep) / 2`` (the cosine
+terms cancel in pairs), so scaling by ``target / mean`` gives a schedule whose mean over layers
+is the target: the defaults at target 0.6 are exactly 0.75 -> 0.60 -> 0.45. Rates are clipped
+to ``[0, MAX_RATE]`` (only reached for targets above ~0.76).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from unicache_train.compress.config import MAX_RATE, ScheduleConfig
+from unicache_train.compress.state import CompressionState
+
+__all__ = ["LayerSchedule", "cosine_curve", "layer_rate"]
+
+
+def cosine_curve(num_layers: int, shallow: float, deep: float) -> list[float]:
+    """The unscaled curve for layers ``0..num_layers-1``."""
+    out = []
+    for l in range(num_layers):
+        x = l / (num_layers - 1) if num_layers > 1 else 0.5
+        out.append(deep + (shallow - deep) * 0.5 * (1.0 + math.cos(math.pi * x)))
+    return out
+
+
+def layer_rate(
+    layer_idx: int,
+    num_layers: int,
+    target: torch.Tensor | float,
+    shallow: float = 0.75,
+    deep: float = 0.45,
+) -> torch.Tensor:
+    """Rate of one layer, scaled so that the mean over layers equals ``target``.
+
+    Args:
+        layer_idx, num_layers: position in the decoder.
+        target: [B] per-sample targets (or a float).
+        shallow, deep: curve end points (their mean is the reference the curve is scaled by).
+
+    Returns:
+        [B] (or scalar) rates in ``[0, MAX_RATE]``.
+    """
+    curve = cosine_curve(num_layers, shallow, deep)[layer_idx]
+    factor = curve / (0.5 * (shallow + deep))
+    return torch.as_tensor(target, dtype=torch.float32).mul(factor).clamp(0.0, MAX_RATE)
+
+
+@dataclass
+class LayerSchedule(ScheduleConfig):
+    """Pipeline step: ``state.layer_rate`` from the per-sample target (uniform when disabled)."""
+
+    stage: ClassVar[int] = 3
+
+    def __call__(self, state: CompressionState) -> CompressionState:
+        if self.enabled:
+            state.layer_rate = layer_rate(
+                state.inp.layer_idx,
+                state.inp.num_layers,
+                state.target,
+                self.shallow_rate,
+                self.deep_rate,
+            )
+        else:
+            state.layer_rate = state.target.float().clamp(0.0, MAX_RATE)
+        return state
