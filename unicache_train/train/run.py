@@ -91,11 +91,13 @@ def build_trainer(config: RunConfig, callbacks: list[L.Callback] | None = None) 
         from lightning.pytorch.callbacks import RichProgressBar
 
         cbs.append(RichProgressBar(leave=True))
+    from unicache_train.train.strategies import build_strategy
+
     return L.Trainer(
         accelerator=tc.accelerator,
         devices=tc.devices,
         num_nodes=tc.num_nodes,
-        strategy=tc.strategy,
+        strategy=build_strategy(config),
         precision=tc.precision,
         max_steps=tc.max_steps,
         max_epochs=-1,
