@@ -14,6 +14,7 @@ from unicache_train.config import (
     DataConfig,
     LoggingConfig,
     ModelConfig,
+    MonitorConfig,
     RunConfig,
     TrainConfig,
 )
@@ -24,6 +25,7 @@ def fit(
     data: DataConfig = DataConfig(),  # noqa: B008
     train: TrainConfig = TrainConfig(),  # noqa: B008
     logging: LoggingConfig = LoggingConfig(),  # noqa: B008
+    monitor: MonitorConfig = MonitorConfig(),  # noqa: B008
 ) -> None:
     """Train (or resume) a model: pretraining from scratch on the bundled synthetic corpus by
     default. Writes checkpoints and the resolved config.yaml under ``train.out_dir``.
@@ -34,10 +36,12 @@ def fit(
         train: optimisation, hardware (accelerator/devices/strategy/precision), checkpoints,
             resume ('auto' or a .ckpt path).
         logging: logger (wandb offline by default, csv, tensorboard, none) and run metadata.
+        monitor: per-layer signal-gain monitor (interval, 2x threshold, stop rule, plots) and
+            compression-quality logging interval.
     """
     from unicache_train.train.run import fit as run_fit
 
-    run_fit(RunConfig(model=model, data=data, train=train, logging=logging))
+    run_fit(RunConfig(model=model, data=data, train=train, logging=logging, monitor=monitor))
 
 
 def evaluate(

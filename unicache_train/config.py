@@ -26,6 +26,7 @@ __all__ = [
     "SyntheticDataConfig",
     "TrainConfig",
     "LoggingConfig",
+    "MonitorConfig",
     "RunConfig",
 ]
 
@@ -68,6 +69,15 @@ def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
 RESIDUAL_MODES = ("residual", "mhc", "hc")
 HC_PRESETS = ("deepseek_v4", "paper")
 ATTENTION_TYPES = ("gqa", "mla")
+# Lightning's registered DeepSpeed names (offload variants included); ``deepspeed`` = stage 2.
+DEEPSPEED_STRATEGIES = (
+    "deepspeed",
+    "deepspeed_stage_1",
+    "deepspeed_stage_2",
+    "deepspeed_stage_2_offload",
+    "deepspeed_stage_3",
+    "deepspeed_stage_3_offload",
+)
 
 
 @dataclass
@@ -263,7 +273,15 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation, schedule, hardware and checkpointing."""
+    """Optimisation, schedule, hardware and checkpointing.
+
+    ``strategy`` is a Lightning strategy name (``auto``, ``ddp``, ``fsdp``, ...) or one of
+    :data:`DEEPSPEED_STRATEGIES` (``deepspeed`` is ZeRO stage 2 unless ``deepspeed_config`` says
+    otherwise). ``deepspeed_config``: a DeepSpeed JSON whose keys override our defaults (merged
+    key by key). ``offload_optimizer``: ZeRO-Offload of the optimizer state to CPU (CUDA only).
+    ``activation_checkpointing``: recompute each decoder block in the backward pass (see
+    :mod:`unicache_train.train.strategies`).
+    """
 
     max_steps: int = 200
     lr: float = 3e-3
@@ -279,6 +297,9 @@ class TrainConfig:
     devices: int | str = 1
     num_nodes: int = 1
     strategy: str = "auto"
+    deepspeed_config: str | None = None
+    offload_optimizer: bool = False
+    activation_checkpointing: bool = False
     val_every_n_steps: int = 50
     limit_val_batches: int = 8
     log_every_n_steps: int = 5
@@ -306,6 +327,20 @@ class TrainConfig:
             raise ConfigError(
                 f"TrainConfig.devices={self.devices!r}: expected an integer >= 1 or 'auto'"
             )
+        if not isinstance(self.strategy, str) or not self.strategy:
+            raise ConfigError(f"TrainConfig.strategy={self.strategy!r}: expected a strategy name")
+        if self.strategy.startswith("deepspeed"):
+            _choice(self, "strategy", DEEPSPEED_STRATEGIES)
+        if self.deepspeed_config is not None and (
+            not isinstance(self.deepspeed_config, str) or not self.deepspeed_config.endswith(".json")
+        ):
+            raise ConfigError(
+                f"TrainConfig.deepspeed_config={self.deepspeed_config!r}: expected None or the "
+                "path of a DeepSpeed JSON config (*.json)"
+            )
+        for name in ("offload_optimizer", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"TrainConfig.{name}={getattr(self, name)!r}: expected a bool")
         _int(self, "val_every_n_steps", 1)
         _int(self, "limit_val_batches", 0)
         _int(self, "log_every_n_steps", 1)
@@ -329,13 +364,33 @@ class LoggingConfig:
 
 
 @dataclass
+class MonitorConfig:
+    """Signal-gain and compression-quality monitoring (see :mod:`unicache_train.monitor`)."""
+
+    gain: bool = True
+    gain_every_n_steps: int = 50
+    gain_threshold: float = 2.0
+    gain_stop_after: int | None = None
+    plots: bool = True
+    compress_every_n_steps: int = 10
+
+    def __post_init__(self) -> None:
+        _int(self, "gain_every_n_steps", 1)
+        _range(self, "gain_threshold", 1, lo_open=True)
+        if self.gain_stop_after is not None:
+            _int(self, "gain_stop_after", 1)
+        _int(self, "compress_every_n_steps", 1)
+
+
+@dataclass
 class RunConfig:
-    """The whole run: model, data, training and logging."""
+    """The whole run: model, data, training, logging and monitoring."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     # ----------------------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict[str, Any]:
@@ -403,5 +458,6 @@ _SUBCONFIGS: dict[tuple[type, str], type] = {
     (RunConfig, "data"): DataConfig,
     (RunConfig, "train"): TrainConfig,
     (RunConfig, "logging"): LoggingConfig,
+    (RunConfig, "monitor"): MonitorConfig,
     (DataConfig, "synthetic"): SyntheticDataConfig,
 }

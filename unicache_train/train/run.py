@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,17 @@ def build_loggers(config: RunConfig, out_dir: Path) -> list[Logger] | bool:
     return [logger]
 
 
+def _monitors(config: RunConfig) -> list[L.Callback]:
+    from unicache_train.monitor import CompressionQualityMonitor, SignalGainMonitor
+
+    mc = config.monitor
+    cbs: list[L.Callback] = [CompressionQualityMonitor(mc.compress_every_n_steps)]
+    if mc.gain:
+        cbs.append(SignalGainMonitor(mc.gain_every_n_steps, mc.gain_threshold,
+                                     mc.gain_stop_after, plot=mc.plots))
+    return cbs
+
+
 def build_trainer(config: RunConfig, callbacks: list[L.Callback] | None = None) -> L.Trainer:
     tc = config.train
     out_dir = Path(tc.out_dir)
@@ -83,7 +95,7 @@ def build_trainer(config: RunConfig, callbacks: list[L.Callback] | None = None) 
         save_last=True,
         save_top_k=-1,
     )
-    cbs: list[L.Callback] = [ckpt_cb, *(callbacks or [])]
+    cbs: list[L.Callback] = [ckpt_cb, *_monitors(config), *(callbacks or [])]
     loggers = build_loggers(config, out_dir)
     if loggers:
         cbs.append(LearningRateMonitor(logging_interval="step"))
@@ -143,8 +155,18 @@ def fit(config: RunConfig, callbacks: list[L.Callback] | None = None) -> L.Train
     trainer = build_trainer(config, callbacks)
     if trainer.is_global_zero:
         config.save(out_dir / "config.yaml")
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    finally:
+        _finish_wandb()
     return trainer
+
+
+def _finish_wandb() -> None:
+    """Close the W&B run (flushes offline files) so the next fit in this process starts its own."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
 
 
 def run_recipe(default_yaml: str | Path, argv: list[str] | None = None) -> L.Trainer:

@@ -1,0 +1,133 @@
+"""Signal-gain and compression-quality monitoring, through CSV and offline W&B loggers."""
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from unicache_train.config import (
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    MonitorConfig,
+    RunConfig,
+    SyntheticDataConfig,
+    TrainConfig,
+)
+from unicache_train.monitor import (
+    CompressionQualityMonitor,
+    SignalGainMonitor,
+    amax_gain,
+    compression_metrics,
+    find_callback,
+    mix_stats,
+)
+from unicache_train.train.run import fit
+
+
+def test_amax_gain_of_known_matrices():
+    eye = torch.eye(3).expand(5, 3, 3)
+    assert amax_gain(eye) == (1.0, 1.0)
+    m = torch.tensor([[2.0, -1.0], [0.5, 0.5]])  # rows 3, 1; cols 2.5, 1.5
+    assert amax_gain(m) == (3.0, 2.5)
+
+
+def test_composite_gain_bounded_for_doubly_stochastic_not_for_unconstrained():
+    from unicache_train.ops import sinkhorn
+
+    torch.manual_seed(0)
+    ds = [sinkhorn(torch.randn(2, 8, 4, 4) * 3, iters=20) for _ in range(64)]
+    s = mix_stats([m.transpose(-1, -2) for m in ds])
+    # Products of doubly-stochastic matrices are doubly stochastic; 20 Sinkhorn rounds leave
+    # ~1e-4 per-matrix error, which compounds to well under 1% over 64 layers.
+    assert s.composite_fwd <= 1.01 and s.composite_bwd <= 1.01
+    # Unconstrained mixes of the same scale: identity plus small noise, as HC learns.
+    hc = [torch.eye(4) + 0.15 * torch.randn(2, 8, 4, 4) for _ in range(64)]
+    assert mix_stats(hc).composite_fwd > 10.0
+
+
+def test_compression_metric_names():
+    per_layer = [
+        {"kv_bytes_ratio": torch.tensor(0.25), "keep_ratio": 0.4, "keep_ratio/vision": 0.3},
+        {"kv_bytes_ratio": torch.tensor(0.35), "keep_ratio": 0.6, "keep_ratio/vision": 0.5},
+    ]
+    m = compression_metrics(per_layer)
+    assert m["compress/kv_bytes_ratio"] == pytest.approx(0.30)
+    assert m["compress/keep_ratio/vision"] == pytest.approx(0.40)
+    assert m["compress/kv_bytes_ratio/layer_01"] == pytest.approx(0.35)
+    assert m["compress/keep_ratio/vision/layer_00"] == pytest.approx(0.3)
+    sink = CompressionQualityMonitor()
+    with pytest.raises(ValueError, match="must start with 'compress/'"):
+        sink.record({"attn_kl": 0.1})
+
+
+def tiny_run(out: Path, logger: str, **model) -> RunConfig:
+    mc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+              num_key_value_heads=1)
+    mc.update(model)
+    return RunConfig(
+        model=ModelConfig(**mc),
+        data=DataConfig(seq_len=32, batch_size=4,
+                        synthetic=SyntheticDataConfig(num_stories=60, num_recall=60)),
+        train=TrainConfig(max_steps=6, warmup_steps=1, val_every_n_steps=6, limit_val_batches=1,
+                          checkpoint_every_n_steps=6, accelerator="cpu", out_dir=str(out),
+                          progress_bar=False, log_every_n_steps=1),
+        logging=LoggingConfig(logger=logger, name="monitor-test", tags=["test"]),
+        monitor=MonitorConfig(gain_every_n_steps=2),
+    )
+
+
+def _csv_rows(out: Path) -> list[dict[str, str]]:
+    rows = []
+    for f in out.glob("csv/version_*/metrics.csv"):
+        with f.open() as fh:
+            rows += list(csv.DictReader(fh))
+    return rows
+
+
+def test_gain_monitor_logs_per_layer_and_composite_gain_for_mhc(tmp_path):
+    cfg = tiny_run(tmp_path, "csv", residual_mode="mhc", hc_mult=4)
+    trainer = fit(cfg)
+    rows = [r for r in _csv_rows(tmp_path) if r.get("mhc/composite_fwd")]
+    assert len(rows) == 3  # steps 0, 2, 4
+    for r in rows:
+        for key in ("gain/fwd_layer_00", "gain/bwd_layer_02", "gain/amax_fwd",
+                    "mhc/composite_bwd", "mhc/sinkhorn_residual"):
+            assert math.isfinite(float(r[key])), key
+        # doubly-stochastic mixes: the composite over 6 connections stays ~1
+        assert float(r["mhc/composite_fwd"]) < 1.05
+    mon = find_callback(trainer, SignalGainMonitor)
+    assert [h["step"] for h in mon.history] == [0, 2, 4]
+    assert (tmp_path / "plots" / "gain.png").stat().st_size > 10_000
+
+
+def test_gain_threshold_warns_once_per_layer_and_can_stop(tmp_path):
+    cfg = tiny_run(tmp_path, "none")
+    cfg.monitor = MonitorConfig(gain_every_n_steps=1, gain_threshold=1.000001, gain_stop_after=2)
+    with pytest.warns(RuntimeWarning, match="forward norm gain") as record:
+        trainer = fit(cfg)
+    assert trainer.global_step == 2  # stopped after 2 consecutive violating checks
+    per_layer = [str(w.message) for w in record if "forward norm gain" in str(w.message)]
+    assert len(per_layer) == len({m.split(":")[0] for m in per_layer})  # once per layer
+
+
+def test_wandb_offline_run_records_gain_metrics(tmp_path, monkeypatch):
+    from unicache_train.monitor.wandb_offline import read_offline_history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    fit(tiny_run(tmp_path, "wandb", residual_mode="mhc", hc_mult=2))
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    rows = read_offline_history(runs[0])
+    gains = [r for r in rows if "gain/amax_fwd" in r]
+    assert gains and all(math.isfinite(r["gain/amax_fwd"]) for r in gains)
+    assert any("mhc/composite_fwd" in r for r in rows)
+    assert any("train/loss" in r for r in rows)
+
+
+def test_wandb_disabled_needs_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    fit(tiny_run(tmp_path, "wandb"))
+    assert not list((tmp_path / "wandb").glob("offline-run-*"))

@@ -1,0 +1,273 @@
+"""Lightning callbacks: per-layer signal gain and compression quality, to any logger.
+
+Both log through ``trainer.loggers`` (W&B offline by default, CSV, TensorBoard), so what users
+see does not depend on the logger they chose.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from torch import nn
+
+from unicache_train.monitor import metrics as M
+from unicache_train.monitor.gain import mix_stats, rms
+
+log = logging.getLogger(__name__)
+
+
+def _decoder(pl_module: L.LightningModule) -> nn.Module:
+    model = getattr(pl_module, "model", pl_module)
+    if not hasattr(model, "layers"):
+        raise TypeError(f"{type(model).__name__} has no .layers: cannot monitor per-layer gain")
+    return model
+
+
+def _connections(model: nn.Module) -> list[nn.Module]:
+    """The hyper-connection modules in forward order (attn_hc, ffn_hc of each layer)."""
+    out = []
+    for layer in model.layers:
+        for name in ("attn_hc", "ffn_hc"):
+            hc = getattr(layer, name, None)
+            if hc is not None:
+                out.append(hc)
+    return out
+
+
+class _LayerProbe:
+    """Forward hooks on every layer for one step: input/output RMS, and tensor hooks for the
+    gradient RMS at each layer's input and output."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        n = len(layers)
+        self.fwd_in = [float("nan")] * n
+        self.fwd_out = [float("nan")] * n
+        self.grad_in = [float("nan")] * n
+        self.grad_out = [float("nan")] * n
+        self.handles = [
+            layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(layers)
+        ]
+
+    def _hook(self, i: int):
+        def hook(module, args, output):
+            x = args[0]
+            self.fwd_in[i], self.fwd_out[i] = rms(x), rms(output)
+            if torch.is_grad_enabled():
+                if x.requires_grad:
+                    x.register_hook(lambda g: self._store(self.grad_in, i, g))
+                if output.requires_grad:
+                    output.register_hook(lambda g: self._store(self.grad_out, i, g))
+
+        return hook
+
+    @staticmethod
+    def _store(buf: list[float], i: int, g: torch.Tensor) -> None:
+        buf[i] = rms(g)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def gains(self) -> tuple[list[float], list[float]]:
+        """Per-layer forward gain out/in and backward gain grad_in/grad_out."""
+        fwd = [o / i if i > 0 else float("inf") for i, o in zip(self.fwd_in, self.fwd_out)]
+        bwd = [gi / go if go > 0 else float("nan") for gi, go in zip(self.grad_in, self.grad_out)]
+        return fwd, bwd
+
+
+class SignalGainMonitor(L.Callback):
+    """Per-layer norm gain, forward and backward, and composite mHC/HC mixing gain.
+
+    Every ``every_n_steps`` optimizer steps, one training batch is probed with hooks (no extra
+    forward): per-layer forward gain ``rms(x_{l+1}) / rms(x_l)`` (for hyper-connections, over the
+    whole ``[B, T, n, C]`` stream stack), backward gain ``rms(g_l) / rms(g_{l+1})``, their
+    maxima over layers, and for mHC/HC models the composite gain of the product of all residual
+    mixes (see :func:`unicache_train.monitor.gain.mix_stats`). Other steps cost nothing.
+
+    A layer whose forward gain leaves ``[1/threshold, threshold]`` (default 2x: "keep each
+    layer's output norm within 2x" of the source article) warns once per layer; with
+    ``stop_after=N`` training stops after N consecutive checks with a violation.
+
+    At the end of training a PNG of the gains is written to ``<out_dir>/plots/gain.png`` and
+    logged to W&B as an image when W&B is the logger.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        threshold: float = 2.0,
+        stop_after: int | None = None,
+        plot: bool = True,
+    ) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"SignalGainMonitor.every_n_steps={every_n_steps}: must be >= 1")
+        if threshold <= 1:
+            raise ValueError(f"SignalGainMonitor.threshold={threshold}: must be > 1")
+        if stop_after is not None and stop_after < 1:
+            raise ValueError(f"SignalGainMonitor.stop_after={stop_after}: must be >= 1 or None")
+        self.every_n_steps = every_n_steps
+        self.threshold = threshold
+        self.stop_after = stop_after
+        self.plot = plot
+        self.history: list[dict[str, Any]] = []
+        self._probe: _LayerProbe | None = None
+        self._warned: set[int] = set()
+        self._consecutive = 0
+
+    # ------------------------------------------------------------------------------ arming
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._probe is not None or trainer.global_step % self.every_n_steps:
+            return
+        model = _decoder(pl_module)
+        self._probe = _LayerProbe(model.layers)
+        for hc in _connections(model):
+            hc.record = True
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self._probe is None:
+            return
+        model = _decoder(pl_module)
+        self._probe.remove()
+        fwd, bwd = self._probe.gains()
+        self._probe = None
+        row: dict[str, Any] = {"step": trainer.global_step, "fwd": fwd, "bwd": bwd}
+        metrics = {M.GAIN_FWD_LAYER.format(i): g for i, g in enumerate(fwd)}
+        metrics.update({M.GAIN_BWD_LAYER.format(i): g for i, g in enumerate(bwd)})
+        metrics[M.GAIN_AMAX_FWD] = max(fwd)
+        metrics[M.GAIN_AMAX_BWD] = max(bwd)
+        hcs = _connections(model)
+        mats = [hc.last_coeffs.res for hc in hcs if getattr(hc, "last_coeffs", None) is not None]
+        for hc in hcs:
+            hc.record = False
+            hc.last_coeffs = None
+        if mats:
+            s = mix_stats(mats)
+            metrics.update({
+                M.MHC_COMPOSITE_FWD: s.composite_fwd,
+                M.MHC_COMPOSITE_BWD: s.composite_bwd,
+                M.MHC_MAX_LOG_ROWSUM: s.max_log_rowsum,
+                M.MHC_MAX_LOG_COLSUM: s.max_log_colsum,
+                M.MHC_SINKHORN_RESIDUAL: s.sinkhorn_residual,
+            })
+            row.update(composite_fwd=s.composite_fwd, composite_bwd=s.composite_bwd)
+        self.history.append(row)
+        self._check_threshold(trainer, fwd)
+        _log(trainer, metrics)
+
+    def _check_threshold(self, trainer, fwd: list[float]) -> None:
+        bad = [i for i, g in enumerate(fwd)
+               if not (1.0 / self.threshold <= g <= self.threshold)]
+        for i in bad:
+            if i not in self._warned:
+                self._warned.add(i)
+                _warn(f"layer {i}: forward norm gain {fwd[i]:.3g} is outside "
+                      f"[1/{self.threshold:g}, {self.threshold:g}] at step {trainer.global_step}")
+        self._consecutive = self._consecutive + 1 if bad else 0
+        if self.stop_after is not None and self._consecutive >= self.stop_after:
+            _warn(f"stopping: per-layer gain exceeded {self.threshold:g}x for "
+                  f"{self._consecutive} consecutive checks (layers {bad})")
+            trainer.should_stop = True
+
+    # ------------------------------------------------------------------------------ plots
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._probe is not None:  # a step that never reached backward
+            self._probe.remove()
+            self._probe = None
+        if self.plot and self.history and trainer.is_global_zero:
+            from unicache_train.monitor.plots import plot_gain
+
+            path = plot_gain(self.history, Path(trainer.default_root_dir) / "plots" / "gain.png")
+            _log_image(trainer, "gain/plot", path)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history, "consecutive": self._consecutive,
+                "warned": sorted(self._warned)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = list(state.get("history", []))
+        self._consecutive = int(state.get("consecutive", 0))
+        self._warned = set(state.get("warned", []))
+
+
+class CompressionQualityMonitor(L.Callback):
+    """The sink for compression-quality metrics (names in :mod:`unicache_train.monitor.metrics`).
+
+    Training code pushes per-layer compressor stats with :meth:`record_layers`, evaluation
+    pushes scalars (``compress/attn_kl``, ``compress/ppl_delta``, ...) with :meth:`record`;
+    pending values are averaged and written to every logger each ``every_n_steps`` steps.
+    Find it from a LightningModule with :func:`find_callback`.
+    """
+
+    def __init__(self, every_n_steps: int = 10) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"CompressionQualityMonitor.every_n_steps={every_n_steps}: >= 1")
+        self.every_n_steps = every_n_steps
+        self._pending: dict[str, list[float]] = {}
+        self.last: dict[str, float] = {}
+
+    def record(self, values: Mapping[str, float | torch.Tensor]) -> None:
+        for key, value in values.items():
+            if not key.startswith(M.COMPRESS_PREFIX + "/"):
+                raise ValueError(f"compression metric {key!r} must start with 'compress/'")
+            v = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+            self._pending.setdefault(key, []).append(v)
+
+    def record_layers(self, per_layer: list[Mapping[str, torch.Tensor | float]]) -> None:
+        self.record(M.compression_metrics(per_layer))
+
+    def flush(self, trainer) -> dict[str, float]:
+        if not self._pending:
+            return {}
+        out = {k: sum(v) / len(v) for k, v in self._pending.items()}
+        self._pending.clear()
+        self.last = out
+        _log(trainer, out)
+        return out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % self.every_n_steps == 0:
+            self.flush(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.flush(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.flush(trainer)
+
+
+def find_callback(trainer, cls: type) -> Any | None:
+    """The first callback of type ``cls`` on ``trainer`` (or None)."""
+    for cb in getattr(trainer, "callbacks", []):
+        if isinstance(cb, cls):
+            return cb
+    return None
+
+
+@rank_zero_only
+def _warn(msg: str) -> None:
+    log.warning(msg)
+    import warnings
+
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+@rank_zero_only
+def _log(trainer, metrics: dict[str, float]) -> None:
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
+
+
+@rank_zero_only
+def _log_image(trainer, key: str, path: Path) -> None:
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            logger.log_image(key=key, images=[str(path)], step=trainer.global_step)
