@@ -6,7 +6,9 @@ query heads, KV heads, head dim.
 Three ways through :meth:`Attention.forward`:
 
 1. plain causal attention (training without compression, evaluation);
-2. incremental decoding with a :class:`~unicache_train.model.kv_cache.KVCache`;
+2. incremental decoding with a :class:`~unicache_train.model.kv_cache.KVCache` (or a
+   :class:`~unicache_train.compress.inference.CompressedKVCache`: a compressed segment per
+   layer plus the decoded tokens, with the segment's ``log(count)`` bias);
 3. the **compression seam** (``split`` and ``compressor`` given): tokens ``t < split[b]`` are the
    context and attend causally to the full context (prefill); the context K/V are handed to the
    compressor at :meth:`Attention._compress_context`; tokens ``t >= split[b]`` attend to the
@@ -91,7 +93,12 @@ class Attention(nn.Module):
             k_all, v_all = cache.update(self.layer_idx, k_rot, v)  # [B, Hk, S, D]
             # A chunk of T new queries sees all S - T cached keys and is causal within itself.
             mask = None
-            if T > 1:
+            # A compressed cache (compress/inference.py) brings its own additive bias [B, 1, T, S]:
+            # log(count) on merged entries, padding entries masked, causal on the new tokens.
+            cache_bias = getattr(cache, "attention_bias", None)
+            if cache_bias is not None:
+                mask = cache_bias(self.layer_idx, T, q_rot.dtype)
+            elif T > 1:
                 S = k_all.shape[2]
                 qi = torch.arange(T, device=x.device)[:, None] + past
                 mask = torch.arange(S, device=x.device)[None, :] <= qi  # [T, S]
@@ -157,25 +164,46 @@ class Attention(nn.Module):
         Returns:
             [B, H, T, D].
         """
-        B, H, T, D = q_rot.shape
-        t = torch.arange(T, device=q_rot.device)
-        is_cont = t[None, :] >= split[:, None]  # [B, T] query is a continuation token
-        # Segment part [B, T, M]: continuation queries only, valid entries only.
-        seg_ok = is_cont[:, :, None] & segment.valid[:, None, :]
-        seg_bias = torch.log(segment.counts.clamp_min(1.0)).to(q_rot.dtype)  # [B, M]
-        # Full-sequence part [B, T, T]: causal; a continuation query skips the raw context,
-        # which it sees only through the segment.
-        causal = t[None, :] <= t[:, None]  # [T, T]
-        key_is_cont = t[None, :] >= split[:, None]  # [B, T]
-        full_ok = causal[None] & (~is_cont[:, :, None] | key_is_cont[:, None, :])
-        neg = torch.finfo(q_rot.dtype).min
-        seg_mask = torch.where(seg_ok, seg_bias[:, None, :], neg)  # [B, T, M]
-        full_mask = torch.where(full_ok, 0.0, neg).to(q_rot.dtype)  # [B, T, T]
-        mask = torch.cat([seg_mask, full_mask], dim=-1)[:, None]  # [B, 1, T, M + T]
+        mask = segment_attention_mask(segment, split, q_rot.shape[2], q_rot.dtype)
         keys = torch.cat([segment.keys.to(k_rot.dtype), k_rot], dim=2)  # [B, Hk, M + T, D]
         values = torch.cat([segment.values.to(v.dtype), v], dim=2)  # [B, Hk, M + T, D]
         return F.scaled_dot_product_attention(q_rot, keys, values, attn_mask=mask,
-                                              enable_gqa=self.num_kv_heads != H)
+                                              enable_gqa=self.num_kv_heads != q_rot.shape[1])
+
+
+def segment_attention_mask(
+    segment: KVSegment, split: torch.Tensor, T: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive mask of the seam's one SDPA call over ``[segment ; full sequence]`` keys.
+
+    Context queries attend causally to the full context; continuation queries attend to the
+    valid segment entries (with ``log(count)`` added for merged entries) and causally to the
+    continuation. Shared by GQA and MLA attention.
+
+    Args:
+        segment: the compressed context (``counts``/``valid`` [B, M]).
+        split: [B] first continuation token per sample.
+        T: sequence length.
+        dtype: dtype of the attention logits.
+
+    Returns:
+        [B, 1, T, M + T] additive mask (0 or ``log(count)`` where allowed, dtype min elsewhere).
+    """
+    device = split.device
+    t = torch.arange(T, device=device)
+    is_cont = t[None, :] >= split[:, None]  # [B, T] query is a continuation token
+    # Segment part [B, T, M]: continuation queries only, valid entries only.
+    seg_ok = is_cont[:, :, None] & segment.valid[:, None, :]
+    seg_bias = torch.log(segment.counts.clamp_min(1.0)).to(dtype)  # [B, M]
+    # Full-sequence part [B, T, T]: causal; a continuation query skips the raw context,
+    # which it sees only through the segment.
+    causal = t[None, :] <= t[:, None]  # [T, T]
+    key_is_cont = t[None, :] >= split[:, None]  # [B, T]
+    full_ok = causal[None] & (~is_cont[:, :, None] | key_is_cont[:, None, :])
+    neg = torch.finfo(dtype).min
+    seg_mask = torch.where(seg_ok, seg_bias[:, None, :], neg)  # [B, T, M]
+    full_mask = torch.where(full_ok, 0.0, neg).to(dtype)  # [B, T, T]
+    return torch.cat([seg_mask, full_mask], dim=-1)[:, None]  # [B, 1, T, M + T]
 
 
 def _gather_rope(
@@ -199,4 +227,4 @@ def kv_bytes_per_token(config: ModelConfig, bytes_per_element: int = 2) -> int:
     return 2 * config.num_key_value_heads * config.head_size * bytes_per_element
 
 
-__all__ = ["Attention", "kv_bytes_per_token"]
+__all__ = ["Attention", "kv_bytes_per_token", "segment_attention_mask"]

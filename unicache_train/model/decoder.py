@@ -26,7 +26,7 @@ from torch import nn
 from unicache_train.compress.base import KVCompressor
 from unicache_train.config import ModelConfig
 from unicache_train.model.attention import Attention
-from unicache_train.model.kv_cache import KVCache
+from unicache_train.model.kv_cache import KVCache, new_kv_cache
 from unicache_train.model.mlp import SwiGLU
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import RotaryEmbedding
@@ -202,7 +202,7 @@ class Decoder(nn.Module):
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
         if temperature < 0:
             raise ValueError(f"temperature={temperature} must be >= 0")
-        cache = KVCache(len(self.layers))
+        cache = new_kv_cache(self.config)  # latent cache for MLA, K/V cache for GQA
         logits = self(input_ids, cache=cache).logits[:, -1]  # [B, V]
         out = input_ids
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

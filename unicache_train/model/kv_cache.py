@@ -1,8 +1,10 @@
-"""A minimal per-layer KV cache for incremental decoding."""
+"""Minimal per-layer caches for incremental decoding: K/V (GQA) and latent (MLA)."""
 
 from __future__ import annotations
 
 import torch
+
+from unicache_train.config import ModelConfig
 
 
 class KVCache:
@@ -37,3 +39,28 @@ class KVCache:
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
+
+
+class LatentKVCache(KVCache):
+    """The MLA latent cache (DeepSeek-V2, arXiv 2405.04434): per layer ``c_kv`` (after
+    ``kv_a_layernorm``) and the shared ``k_pe`` head (after RoPE), nothing per head.
+
+    Storage reuses :class:`KVCache` with one "head": ``keys`` holds ``c_kv`` [B, 1, S, R] and
+    ``values`` holds ``k_pe`` [B, 1, S, Dr], i.e. ``kv_lora_rank + qk_rope_head_dim`` elements per
+    token per layer. A distinct type so that MLA attention can refuse a per-head cache.
+    """
+
+    @property
+    def c_kv(self) -> list[torch.Tensor | None]:
+        return self.keys
+
+    @property
+    def k_pe(self) -> list[torch.Tensor | None]:
+        return self.values
+
+
+def new_kv_cache(config: ModelConfig) -> KVCache:
+    """The decoding cache that ``config``'s attention reads: latent for MLA, K/V for GQA."""
+    if config.attention_type == "mla":
+        return LatentKVCache(config.num_hidden_layers)
+    return KVCache(config.num_hidden_layers)

@@ -1,0 +1,253 @@
+"""Convert a GQA decoder to MLA (TransMLA arXiv 2502.07864, MHA2MLA arXiv 2502.14837), measure
+perplexity before and after a short healing fine-tune, and export a DeepseekV3 checkpoint.
+
+    python recipes/convert_to_mla.py                                  # pretrain a tiny source
+    python recipes/convert_to_mla.py convert.checkpoint=runs/pretrain_tiny/checkpoints/last.ckpt
+    python recipes/convert_to_mla.py convert.heal_steps=50 run.train.max_steps=200
+
+Overrides are ``section.field=value`` on this file's two sections: ``run`` (a
+:class:`~unicache_train.config.RunConfig`: the source model and data; ``run.train`` drives the
+pretraining of the tiny source when no checkpoint is given) and ``convert``
+(:class:`ConvertConfig`). Single process, plain PyTorch loops: CPU-friendly by design.
+
+Rows of the printed table (validation perplexity, ``convert.eval_batches`` batches):
+
+* ``source``: the GQA model; ``source + heal`` (``convert.control``): the same model fine-tuned
+  for the same steps on the same data, the fair reference for a healed model;
+* ``mla svd``: converted, before healing; ``mla svd + heal``: after ``convert.heal_steps``;
+* ``mla random`` / ``mla random + heal`` (``convert.random_baseline``): fresh MLA attention
+  weights, every other weight kept: what the SVD init is worth.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from unicache_train.config import ConfigError, RunConfig, _choice, _int, _range, apply_overrides
+from unicache_train.model import Decoder
+from unicache_train.model.convert_mla import convert_to_mla_with_report, kv_elements_per_token
+from unicache_train.train.evaluate import evaluate_perplexity
+from unicache_train.train.module import causal_lm_loss, warmup_cosine
+
+
+@dataclass
+class ConvertConfig:
+    """Conversion, healing and reporting knobs (``convert`` section)."""
+
+    checkpoint: str | None = None  # our Lightning .ckpt; None: pretrain a tiny GQA source first
+    kv_lora_rank: int = 16
+    qk_rope_head_dim: int = 16
+    weighting: str = "output"
+    rotation: str = "mean"
+    calib_batches: int = 4
+    heal_steps: int = 150
+    heal_lr: float = 1.0e-3
+    heal_warmup_steps: int = 10
+    eval_batches: int = 16
+    control: bool = True
+    random_baseline: bool = True
+    export: bool = True
+    out_dir: str = "runs/convert_to_mla"
+
+    def __post_init__(self) -> None:
+        _int(self, "kv_lora_rank", 1)
+        _int(self, "qk_rope_head_dim", 2)
+        _choice(self, "weighting", ("output", "none"))
+        _choice(self, "rotation", ("mean", "drop"))
+        _int(self, "calib_batches", 1)
+        _int(self, "heal_steps", 0)
+        _range(self, "heal_lr", 0, 10, lo_open=True)
+        _int(self, "heal_warmup_steps", 0)
+        _int(self, "eval_batches", 1)
+
+
+@dataclass
+class RecipeConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    convert: ConvertConfig = field(default_factory=ConvertConfig)
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: list[str] | None = None) -> RecipeConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        apply_overrides(data, overrides or [])
+        unknown = sorted(set(data) - {"run", "convert"})
+        if unknown:
+            raise ConfigError(f"{path}: unknown section(s) {unknown}; known: ['convert', 'run']")
+        return cls(
+            run=RunConfig.from_dict(data.get("run") or {}),
+            convert=ConvertConfig(**(data.get("convert") or {})),
+        )
+
+
+# ---------------------------------------------------------------------------- training
+def _batches(loader_fn) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless batches: the loader is re-created (same seeded order) at each epoch end."""
+    while True:
+        yield from loader_fn()
+
+
+def train_steps(
+    model: Decoder, loader_fn, steps: int, lr: float, warmup: int, run: RunConfig
+) -> list[float]:
+    """AdamW + warmup/cosine, the LightningModule's settings, as a plain loop. Returns losses."""
+    tc = run.train
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tc.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(tc.beta1, tc.beta2),
+    )
+    model.train()
+    losses = []
+    for step, batch in zip(range(steps), _batches(loader_fn)):
+        for group in opt.param_groups:
+            group["lr"] = lr * warmup_cosine(step, warmup, steps, tc.min_lr_ratio)
+        loss = causal_lm_loss(model(batch["input_ids"]).logits, batch["labels"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if tc.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+# ---------------------------------------------------------------------------- the recipe
+def main(cfg: RecipeConfig) -> dict[str, Any]:
+    from unicache_train.data.datamodule import LMDataModule
+
+    cc, run = cfg.convert, cfg.run
+    torch.manual_seed(run.train.seed)
+    t0 = time.time()
+    if cc.checkpoint:
+        from unicache_train.checkpoint import load_checkpoint
+
+        source, ckpt_run = load_checkpoint(cc.checkpoint)
+        run = RunConfig(
+            model=ckpt_run.model, data=ckpt_run.data, train=run.train, logging=run.logging
+        )
+        print(f"loaded {cc.checkpoint} (its data config is used: same tokenizer)")
+    else:
+        source = Decoder(run.model)
+    data = LMDataModule(run.data)
+    data.setup()
+    if data.vocab_size > source.config.vocab_size:
+        raise ConfigError(
+            f"tokenizer vocab {data.vocab_size} > model vocab_size {source.config.vocab_size}"
+        )
+    train_fn, val = data.train_dataloader, data.val_dataloader()
+
+    def ppl(model: Decoder) -> float:
+        return evaluate_perplexity(model, val, cc.eval_batches).ppl
+
+    if not cc.checkpoint:
+        print(f"pretraining the GQA source for {run.train.max_steps} steps ...", flush=True)
+        train_steps(
+            source, train_fn, run.train.max_steps, run.train.lr, run.train.warmup_steps, run
+        )
+    source.eval()
+    rows: dict[str, float] = {"source": ppl(source)}
+    print(f"source ppl {rows['source']:.4f} ({time.time() - t0:.0f}s)", flush=True)
+
+    calib = torch.cat([b["input_ids"] for b in itertools.islice(train_fn(), cc.calib_batches)])
+    kw = dict(weighting=cc.weighting, rotation=cc.rotation)
+    t1 = time.time()
+    mla, report = convert_to_mla_with_report(
+        source, calib, cc.kv_lora_rank, cc.qk_rope_head_dim, **kw
+    )
+    convert_s = time.time() - t1
+    rows["mla svd"] = ppl(mla)
+    print(f"converted in {convert_s:.1f}s: ppl {rows['mla svd']:.4f}", flush=True)
+
+    def heal(model: Decoder, name: str) -> None:
+        if cc.heal_steps:
+            train_steps(model, train_fn, cc.heal_steps, cc.heal_lr, cc.heal_warmup_steps, run)
+            rows[f"{name} + heal"] = ppl(model)
+            print(f"{name} + heal ppl {rows[f'{name} + heal']:.4f}", flush=True)
+
+    if cc.random_baseline:
+        rand, _ = convert_to_mla_with_report(
+            source, calib, cc.kv_lora_rank, cc.qk_rope_head_dim, init="random"
+        )
+        rows["mla random"] = ppl(rand)
+        heal(rand, "mla random")
+    heal(mla, "mla svd")
+    if cc.control:
+        control = Decoder(source.config)
+        control.load_state_dict(source.state_dict())
+        heal(control, "source")
+
+    out = Path(cc.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    export_check = None
+    if cc.export:
+        from unicache_train.checkpoint.deepseek_v3 import export_deepseek_v3, import_deepseek_v3
+
+        path = export_deepseek_v3(mla, out / "deepseek_v3")
+        ids = calib[:2]
+        with torch.no_grad():
+            export_check = (import_deepseek_v3(path)(ids).logits - mla(ids).logits).abs().max()
+        export_check = float(export_check)
+
+    before, after = kv_elements_per_token(source.config), kv_elements_per_token(mla.config)
+    result = {
+        "kv_elements_per_token_per_layer": {
+            "gqa": before,
+            "mla": after,
+            "reduction": before / after,
+        },
+        "ppl": rows,
+        "conversion": {
+            "rope_stride": report.rope_stride,
+            "rope_theta": report.rope_theta,
+            "kept_frequencies": report.kept_frequencies,
+            "seconds": convert_s,
+            "layers": [asdict(layer) for layer in report.layers],
+        },
+        "export_max_abs_diff": export_check,
+        "config": {"run": run.to_dict(), "convert": asdict(cc)},
+        "wall_seconds": time.time() - t0,
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    _print_table(result)
+    return result
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    kv = result["kv_elements_per_token_per_layer"]
+    ppl = result["ppl"]
+    src = ppl["source"]
+    print("\n| what | value |\n|---|---|")
+    print(
+        f"| KV elements / token / layer | GQA {kv['gqa']} -> MLA {kv['mla']} "
+        f"({kv['reduction']:.2f}x fewer) |"
+    )
+    for name, value in ppl.items():
+        print(f"| ppl {name} | {value:.4f} ({100 * (value / src - 1):+.1f}% vs source) |")
+    if result["export_max_abs_diff"] is not None:
+        print(
+            f"| DeepseekV3 export -> import, max abs logit diff | "
+            f"{result['export_max_abs_diff']:.2e} |"
+        )
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    path = Path(__file__).with_suffix(".yaml")
+    if "--config" in args:
+        i = args.index("--config")
+        path = Path(args[i + 1])
+        del args[i : i + 2]
+    main(RecipeConfig.load(path, args))

@@ -1,0 +1,313 @@
+"""Export MLA decoders as HF ``DeepseekV3ForCausalLM`` checkpoints, and import them back.
+
+The layout is what transformers (and vLLM / SGLang's DeepseekV2/V3 models) load: ``config.json``
+plus ``model.safetensors`` with HF names (``model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight``
+...). Our decoder maps onto a DeepseekV3 whose every layer is dense
+(``first_k_dense_replace = num_hidden_layers``; the MoE fields are set to a consistent, unused
+single expert) with no multi-token-prediction layers.
+
+**RoPE layout.** We train with rotate-half RoPE (pairs ``(j, j + Dr/2)``); DeepSeek rotates
+adjacent pairs ``(2i, 2i + 1)`` (``rope_interleave = True``), and vLLM / SGLang apply the
+interleaved rotation to DeepSeek models whatever the config says. Both are the same rotation up
+to a fixed permutation of the ``Dr`` RoPE coordinates, applied identically to queries and keys,
+so permuting the RoPE rows of ``q_proj``/``q_b_proj`` (per head) and of ``kv_a_proj_with_mqa``
+(the ``k_pe`` rows) gives bit-identical attention logits: export always writes the interleaved
+layout; import handles both (``rope_interleave`` read from the config).
+
+What cannot be represented raises :class:`DeepseekV3ExportError` naming the field: GQA attention
+(per-head RoPE keys; convert first with :func:`unicache_train.model.convert_mla.convert_to_mla`),
+hyper-connection streams, attention biases (inference stacks drop them), MoE layers and rope
+scaling (YaRN) on import.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from unicache_train.config import ConfigError, ModelConfig
+from unicache_train.model import Decoder
+
+__all__ = [
+    "DeepseekV3ExportError",
+    "export_deepseek_v3",
+    "import_deepseek_v3",
+    "to_deepseek_v3_config",
+    "from_deepseek_v3_config",
+    "to_deepseek_v3_state_dict",
+    "from_deepseek_v3_state_dict",
+]
+
+
+class DeepseekV3ExportError(ValueError):
+    """The model or checkpoint has a feature the DeepseekV3 format (or our decoder) lacks."""
+
+
+# ------------------------------------------------------------------------------------ config
+def _check_exportable(config: ModelConfig) -> None:
+    if config.attention_type != "mla":
+        raise DeepseekV3ExportError(
+            f"ModelConfig.attention_type={config.attention_type!r}: DeepseekV3 has only MLA "
+            "attention (one shared RoPE key head, no per-head RoPE keys); convert the model with "
+            "unicache_train.model.convert_mla.convert_to_mla first"
+        )
+    if config.uses_streams:
+        raise DeepseekV3ExportError(
+            f"ModelConfig.residual_mode={config.residual_mode!r} with hc_mult={config.hc_mult}: "
+            "DeepseekV3 has a single residual stream (no hyper-connections); export a model with "
+            "residual_mode='residual' or hc_mult=1"
+        )
+    if config.attention_bias:
+        raise DeepseekV3ExportError(
+            "ModelConfig.attention_bias=True: vLLM / SGLang build DeepSeek attention without "
+            "biases and would silently drop them; export a bias-free model"
+        )
+
+
+def to_deepseek_v3_config(
+    config: ModelConfig,
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """Our :class:`ModelConfig` -> a DeepseekV3 ``config.json`` dict (all layers dense)."""
+    _check_exportable(config)
+    L = config.num_hidden_layers
+    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": L,
+        "num_attention_heads": config.num_attention_heads,
+        # MLA expands K/V to every head: HF's eager path repeats K/V by H / num_key_value_heads.
+        "num_key_value_heads": config.num_attention_heads,
+        "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+        # Dense everywhere: MoE starts at layer L, i.e. never. The expert fields must still be
+        # consistent integers (one routed expert in one group, top-1) for config validation.
+        "first_k_dense_replace": L,
+        "moe_layer_freq": 1,
+        "n_routed_experts": 1,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "moe_intermediate_size": config.intermediate_size,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "num_nextn_predict_layers": 0,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "initializer_range": config.initializer_range,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "rope_parameters": rope,
+        "rope_interleave": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+        "use_cache": True,
+        "dtype": dtype,
+    }
+
+
+def _rope_type(hf: dict[str, Any]) -> tuple[str, float]:
+    """(rope_type, rope_theta) from a v5 ``rope_parameters`` or a legacy ``rope_scaling``."""
+    params = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    return rope_type or "default", float(theta)
+
+
+def from_deepseek_v3_config(hf: dict[str, Any]) -> tuple[ModelConfig, bool]:
+    """A DeepseekV3 ``config.json`` dict -> (our :class:`ModelConfig`, ``rope_interleave``)."""
+    if hf.get("model_type") != "deepseek_v3":
+        raise DeepseekV3ExportError(f"model_type={hf.get('model_type')!r}: expected 'deepseek_v3'")
+    L = int(hf["num_hidden_layers"])
+    first_dense = hf.get("first_k_dense_replace", 3)
+    if first_dense is None or first_dense < L:
+        raise DeepseekV3ExportError(
+            f"first_k_dense_replace={first_dense} < num_hidden_layers={L}: layers "
+            f"{first_dense}..{L - 1} are MoE, which our decoder does not implement"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise DeepseekV3ExportError(f"hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU)")
+    rope_type, theta = _rope_type(hf)
+    if rope_type != "default":
+        raise DeepseekV3ExportError(
+            f"rope_parameters.rope_type={rope_type!r}: rope scaling (YaRN and its softmax mscale) "
+            "is not implemented; only 'default' RoPE can be imported"
+        )
+    H = int(hf["num_attention_heads"])
+    C = int(hf["hidden_size"])
+    dr = int(hf["qk_rope_head_dim"])
+    # head_dim is unused by MLA; keep it derived when that is valid.
+    head_dim = None if C % H == 0 and (C // H) % 2 == 0 else dr
+    try:
+        config = ModelConfig(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=C,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=L,
+            num_attention_heads=H,
+            num_key_value_heads=H,
+            head_dim=head_dim,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            rope_theta=theta,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            attention_type="mla",
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=int(hf["kv_lora_rank"]),
+            qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+            qk_rope_head_dim=dr,
+            v_head_dim=int(hf["v_head_dim"]),
+        )
+    except ConfigError as err:
+        raise DeepseekV3ExportError(f"config.json is not representable: {err}") from err
+    return config, bool(hf.get("rope_interleave", True))
+
+
+# ------------------------------------------------------------------------------- state dict
+def _rope_perm(dr: int) -> torch.Tensor:
+    """ours[j] = interleaved[perm[j]]: rotate-half pair (j, j + Dr/2) is pair (2j, 2j + 1)."""
+    return torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)])
+
+
+def _permute_rope_rows(
+    sd: dict[str, torch.Tensor], config: ModelConfig, perm: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Reorder the RoPE rows of every q projection (per head) and of ``k_pe``: w[rope] = w[perm]."""
+    H, R = config.num_attention_heads, config.kv_lora_rank
+    Dn, Dr = config.qk_nope_head_dim, config.qk_rope_head_dim
+    out = dict(sd)
+    for name, w in sd.items():
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            w = w.view(H, Dn + Dr, -1)
+            w = torch.cat([w[:, :Dn], w[:, Dn:][:, perm]], dim=1).reshape(H * (Dn + Dr), -1)
+        elif name.endswith(
+            ("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")
+        ):
+            w = torch.cat([w[:R], w[R:][perm]], dim=0)
+        out[name] = w
+    return out
+
+
+def to_deepseek_v3_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
+    """Our state dict -> HF DeepseekV3 names, RoPE rows in DeepSeek's interleaved layout."""
+    config = model.config
+    _check_exportable(config)
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)  # HF re-ties it to the embedding on load
+    inverse = torch.argsort(_rope_perm(config.qk_rope_head_dim))
+    sd = _permute_rope_rows(sd, config, inverse)
+    return {
+        (k if k == "lm_head.weight" else f"model.{k}"): v.cpu().contiguous().clone()
+        for k, v in sd.items()
+    }
+
+
+def from_deepseek_v3_state_dict(
+    hf_sd: dict[str, torch.Tensor], config: ModelConfig, rope_interleave: bool
+) -> dict[str, torch.Tensor]:
+    """HF DeepseekV3 tensors -> our state dict (MTP layers beyond ``num_hidden_layers`` dropped)."""
+    sd: dict[str, torch.Tensor] = {}
+    for name, w in hf_sd.items():
+        if name.startswith("model.layers."):
+            if int(name.split(".")[2]) >= config.num_hidden_layers:
+                continue  # multi-token-prediction modules: not part of the decoder
+        if name.startswith("model."):
+            name = name.removeprefix("model.")
+        elif name != "lm_head.weight":
+            raise DeepseekV3ExportError(f"unexpected tensor {name!r} in the checkpoint")
+        sd[name] = w
+    if rope_interleave:
+        sd = _permute_rope_rows(sd, config, _rope_perm(config.qk_rope_head_dim))
+    if config.tie_word_embeddings:
+        sd.setdefault("lm_head.weight", sd["embed_tokens.weight"])
+    return sd
+
+
+# ---------------------------------------------------------------------------------- files
+def export_deepseek_v3(
+    model: Decoder,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` loadable by
+    ``transformers.DeepseekV3ForCausalLM.from_pretrained(out_dir)``.
+
+    Args:
+        model: an MLA :class:`Decoder` (``attention_type="mla"``, plain residual, no biases).
+        out_dir: directory to create / overwrite.
+        dtype: cast the tensors (e.g. ``torch.bfloat16``); default: keep the model's dtype.
+        bos_token_id, eos_token_id: the tokenizer's special ids, recorded in the config.
+
+    Returns:
+        ``out_dir`` as a :class:`Path`.
+    """
+    sd = to_deepseek_v3_state_dict(model)
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    dtype_name = str(next(iter(sd.values())).dtype).removeprefix("torch.")
+    hf_config = to_deepseek_v3_config(
+        model.config, bos_token_id=bos_token_id, eos_token_id=eos_token_id, dtype=dtype_name
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    single = path / "model.safetensors"
+    if single.is_file():
+        return load_file(str(single))
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(str(path / shard)))
+    return tensors
+
+
+def import_deepseek_v3(path: str | Path) -> Decoder:
+    """Build our MLA :class:`Decoder` from a dense DeepseekV3 checkpoint directory
+    (``config.json`` + safetensors, single file or sharded)."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found")
+    config, interleave = from_deepseek_v3_config(json.loads(config_file.read_text()))
+    sd = from_deepseek_v3_state_dict(_load_tensors(path), config, interleave)
+    model = Decoder(config)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise DeepseekV3ExportError(
+            f"{path}: tensors do not match the config (missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)})"
+        )
+    return model.eval()
