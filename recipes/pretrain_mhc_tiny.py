@@ -1,0 +1,12 @@
+"""Pretrain a tiny mHC decoder (n = 4 streams) on the bundled synthetic corpus.
+
+    python recipes/pretrain_mhc_tiny.py [train.max_steps=100 ...]
+    fabric run --accelerator cpu --devices 2 --strategy ddp recipes/pretrain_mhc_tiny.py
+"""
+
+from pathlib import Path
+
+from unicache_train.train.run import run_recipe
+
+if __name__ == "__main__":
+    run_recipe(Path(__file__).with_suffix(".yaml"))

@@ -1,0 +1,429 @@
+"""Hyper-connections: mHC (``deepseek_v4`` and ``paper`` presets) and unconstrained HC.
+
+Shape legend: B, T, n, C, K = batch, tokens, residual streams (``hc_mult``), hidden size,
+coefficient logits per token (``K = (2 + n) * n``: n pre, n post, n*n residual mix).
+
+Papers:
+    mHC: Xie et al., "mHC: Manifold-Constrained Hyper-Connections", https://arxiv.org/abs/2512.24880
+    HC: Zhu et al., "Hyper-Connections", https://arxiv.org/abs/2409.19606
+    Reference numerics: ``transformers.models.deepseek_v4`` (``DeepseekV4HyperConnection``, the
+    mixing in ``DeepseekV4DecoderLayer``, ``DeepseekV4HyperHead``).
+
+The residual is ``X: [B, T, n, C]``. One :class:`HyperConnection` wraps one sub-layer ``F``
+(attention or MLP, with its pre-norm) and computes per token, from ``X`` itself::
+
+    raw  = RMSNorm_unweighted(flatten(X)) @ fn.T          [B, T, K] -> pre [n], post [n], res [n, n]
+    X'   = res @ X + post^T F(pre @ X)
+
+Mixing-matrix convention (the one place where rows vs columns matter):
+
+* ``res`` (the paper's ``H_res``) multiplies from the LEFT: ``X'_i = sum_j res[i, j] X_j``; row
+  ``i`` holds the weights of output stream ``i``. Every preset stores ``res`` this way, and so does
+  :attr:`HCCoeffs.res` (what monitors read: the composite forward gain of a stack is the max
+  absolute row sum of ``res_L @ ... @ res_1``).
+* HF's ``comb`` is consumed transposed in ``DeepseekV4DecoderLayer``
+  (``matmul(comb.transpose(-1, -2), X)``), i.e. ``comb = res^T``: ``comb[j, k]`` is the weight of
+  input stream ``j`` in output stream ``k``. The ``deepseek_v4`` preset computes ``comb`` exactly as
+  HF (softmax over its last axis, last normalisation over its columns, so each output stream is a
+  convex combination of the inputs) and hands on its transpose as ``res``.
+* ``paper``: the ``n*n`` residual logits are read row-major as ``H_res[i, j]`` (output ``i``,
+  input ``j``), as in the paper's ``mat(x @ phi_res)``.
+
+Parameters (names and shapes as HF deepseek_v4) are kept in fp32 even when the model is cast to
+bf16: coefficients and Sinkhorn run in fp32 (autocast off); the streams themselves may be bf16.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from unicache_train.config import ModelConfig
+from unicache_train.ops.sinkhorn import sinkhorn
+
+__all__ = ["HCCoeffs", "HyperConnection", "HyperHead", "hc_preset_of"]
+
+Branch = Callable[[torch.Tensor], torch.Tensor]
+
+# mHC paper: gating factors alpha initialised to 0.01 (arXiv 2512.24880, training setup).
+PAPER_ALPHA_INIT = 0.01
+# HC: the tanh dynamic part starts as a small perturbation of the static (residual-like) init.
+HC_SCALE_INIT = 0.01
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def hc_preset_of(config: ModelConfig) -> str:
+    """The connection flavour of a config: ``deepseek_v4`` | ``paper`` (mHC) or ``hc``."""
+    return "hc" if config.residual_mode == "hc" else config.hc_preset
+
+
+@dataclass
+class HCCoeffs:
+    """Per-token connection coefficients (fp32).
+
+    Attributes:
+        pre: [B, T, n] collapse weights (branch input ``u = sum_i pre_i X_i``).
+        post: [B, T, n] expand weights (stream ``i`` receives ``post_i F(u)``).
+        res: [B, T, n, n] residual mix in the LEFT-multiplication convention
+            (``X'_i = sum_j res[i, j] X_j``; the paper's ``H_res``; HF's ``comb`` transposed).
+    """
+
+    pre: torch.Tensor
+    post: torch.Tensor
+    res: torch.Tensor
+
+    @property
+    def comb(self) -> torch.Tensor:
+        """[B, T, n, n] HF's ``comb`` (= ``res^T``: ``X'_k = sum_j comb[j, k] X_j``)."""
+        return self.res.transpose(-1, -2)
+
+    def detach(self) -> HCCoeffs:
+        return HCCoeffs(self.pre.detach(), self.post.detach(), self.res.detach())
+
+
+class _Fp32Params(nn.Module):
+    """Keeps this module's parameters (and their grads) fp32 under ``.to(bf16)``/``.half()``.
+
+    HF marks these modules ``_keep_in_fp32_modules_strict``; our equivalent is to intercept
+    ``_apply`` (used by ``to``, ``half``, ``bfloat16``, Lightning's ``bf16-true`` precision):
+    device moves go through, downcasts to 16-bit floats do not.
+    """
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        def keep_fp32(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if (
+                out.is_floating_point()
+                and out.dtype in _LOW_PRECISION
+                and (t.dtype not in _LOW_PRECISION)
+            ):
+                # NOTE: redo the move from the fp32 source, not from ``out``: casting the bf16
+                # result back up would keep the bf16 rounding.
+                out = t.to(device=out.device)
+            return out
+
+        return super()._apply(keep_fp32, recurse)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32/bf16/fp16 streams; fp64 streams stay fp64 (gradcheck)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class _RMSProject(torch.autograd.Function):
+    """``raw = RMSNorm_unweighted(x) @ w.T`` with the per-token ``1/rms`` applied after the GEMM.
+
+    ``1/rms`` is a per-token scalar, so it commutes with the projection (DeepSeek's fused kernels
+    do the same): no normalised ``[M, n*C]`` copy is written, and the hand-written backward
+    writes ``dL/dx`` once (a GEMM) and adds the norm term in place, where autograd through
+    norm-then-linear allocates two ``[M, n*C]`` gradients and sums them. On CPU, fresh
+    ``[M, n*C]`` buffers (page faults) are the dominant cost of the connection. Agrees with HF's
+    norm-then-project to fp32 rounding.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        """x: [M, N] (N = n*C, any float dtype); w: [K, N] -> raw [M, K] in ``w.dtype``."""
+        xf = x.to(w.dtype)  # no copy for fp32 streams
+        N = xf.shape[-1]
+        inv = torch.rsqrt(torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square() / N + eps)
+        raw = (xf @ w.t()).mul_(inv)  # [M, N] @ [N, K] -> [M, K]
+        ctx.save_for_backward(x, w, inv, raw)
+        return raw
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, w, inv, raw = ctx.saved_tensors
+        xf = x.to(w.dtype)
+        N = xf.shape[-1]
+        gs = g * inv  # [M, K]: dL/d(x @ w.T)
+        gw = gs.t() @ xf  # [K, M] @ [M, N] -> [K, N]
+        # d(1/rms)/dx = -(1/rms)^3 x / N, contracted with g * (x @ w.T) = g * raw * rms.
+        coef = (g * raw).sum(-1, keepdim=True).mul_(inv.square()).div_(-N)  # [M, 1]
+        gx = (gs @ w).addcmul_(xf, coef)  # [M, K] @ [K, N] -> [M, N], + coef * x in place
+        return gx.to(x.dtype), gw, None
+
+
+def _rms_project(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``RMSNorm_unweighted(flatten(x)) @ weight.T`` (HF's ``input_norm`` then ``F.linear``).
+
+    Args:
+        x: [B, T, n, C] streams (any float dtype).
+        weight: [K, n*C] projection in the compute dtype (fp32, or fp64 for fp64 streams).
+        eps: RMSNorm epsilon (``config.rms_norm_eps``, as HF's ``input_norm``).
+
+    Returns:
+        [B, T, K] raw logits in ``weight.dtype``.
+    """
+    B, T = x.shape[:2]
+    raw = _RMSProject.apply(x.reshape(B * T, -1), weight, eps)  # [B*T, n*C] -> [B*T, K]
+    return raw.view(B, T, -1)
+
+
+def _collapse(pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``u = sum_i pre_i X_i``: pre [B, T, n] (compute dtype), x [B, T, n, C] -> [B, T, C]."""
+    B, T, n, C = x.shape
+    if x.dtype == pre.dtype:
+        # One batched GEMM reads X once; HF's (pre * X).sum(2) writes an [B, T, n, C] temporary
+        # forward and backward. NOTE: bmm on explicit [M, ...] views, not a 4-D matmul, whose
+        # broadcasting path expands and reduces in backward.
+        u = torch.bmm(pre.reshape(B * T, 1, n), x.reshape(B * T, n, C))  # [M,1,n] @ [M,n,C]
+        return u.view(B, T, C)
+    # Low-precision streams: HF's expression (fp32 products and sum, one cast) for parity.
+    return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)  # [B,T,n,1] * [B,T,n,C] -> [B,T,C]
+
+
+def _mix(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+    """``X' = res @ X + post (x) f`` (HF: ``post * f + comb^T X``), in ``x.dtype``.
+
+    Args:
+        x: [B, T, n, C] streams; f: [B, T, C] branch output; post: [B, T, n]; res: [B, T, n, n].
+
+    Returns:
+        [B, T, n, C]. One output buffer: the GEMM writes ``res @ X`` and the rank-1 ``post (x) f``
+        is accumulated into it in place (``baddbmm_``), whose backward gives ``d post`` and
+        ``d f`` as batched GEMMs, without ``[B, T, n, C]`` temporaries.
+    """
+    B, T, n, C = x.shape
+    dtype = x.dtype
+    M = B * T
+    out = torch.bmm(res.to(dtype).reshape(M, n, n), x.reshape(M, n, C))  # [M,n,n] @ [M,n,C]
+    # [M,n,1] @ [M,1,C] -> [M,n,C] added in place
+    out.baddbmm_(post.to(dtype).reshape(M, n, 1), f.to(dtype).reshape(M, 1, C))
+    return out.view(B, T, n, C)
+
+
+def _logit(p: float) -> float:
+    """Inverse sigmoid in float64; clamped so that n = 1 (p = 1) stays finite."""
+    p = min(max(p, 1e-12), 1.0 - 1e-7)
+    return math.log(p / (1.0 - p))
+
+
+class HyperConnection(_Fp32Params):
+    """One (m)HC connection around one sub-layer (``attn_hc`` / ``ffn_hc``).
+
+    Presets (``hc_preset_of(config)``):
+
+    * ``deepseek_v4`` (mHC, numerically HF's ``DeepseekV4HyperConnection`` + layer mixing):
+      ``pre = sigmoid(raw_pre*s0 + b_pre) + eps``, ``post = 2 sigmoid(raw_post*s1 + b_post)``,
+      ``comb = sinkhorn_v4(raw_res*s2 + b_res)`` (softmax + eps, column norm, (iters-1) x (row,
+      column) norms), ``X' = post (x) F(u) + comb^T X``.
+    * ``paper`` (mHC, arXiv 2512.24880 §4): ``H_pre = sigmoid(a_pre raw_pre + b_pre)``,
+      ``H_post = 2 sigmoid(a_post raw_post + b_post)``,
+      ``H_res = SinkhornKnopp(exp(a_res raw_res + b_res))``, ``X' = H_res X + H_post^T F(H_pre X)``.
+      ``scale`` holds ``(a_pre, a_post, a_res)``.
+    * ``hc`` (Hyper-Connections, arXiv 2409.19606, unconstrained): static + tanh dynamic part,
+      ``pre = b_pre + s0 tanh(raw_pre)``, ``post = b_post + s1 tanh(raw_post)``,
+      ``res = b_res + s2 tanh(raw_res)`` (``res`` is Zhu et al.'s ``A_r^T``). Zhu et al. project
+      each per-stream-normalised stream with a shared ``[C]`` vector; we keep mHC's flattened
+      ``fn`` (a superset) so that A/B runs differ only in the constraint, not in the parameter
+      count. No Sinkhorn: the composite gain is free to grow.
+
+    Init (``config.hc_init``):
+
+    * ``default``: ``deepseek_v4`` follows HF's ``_init_weights`` (``fn ~ N(0, initializer_range)``,
+      ``base = 0``, ``scale = 1``) so from-scratch runs match HF's; ``paper`` uses
+      ``fn ~ N(0, initializer_range)``, ``a = 0.01`` (paper), ``b_pre = logit(1/n)`` (branch input
+      = stream mean), ``b_post = 0`` (``H_post = 1``), ``b_res = 0`` (``H_res`` uniform, the centre
+      of the Birkhoff polytope where Sinkhorn's Jacobian is best conditioned); ``hc`` uses Zhu et
+      al.'s static init (``pre = 1/n``, ``post = 1``, ``res = I``) with dynamic scales 0.01.
+    * ``identity`` (retrofitting a pretrained residual model): scales 0,
+      ``fn ~ N(0, initializer_range)`` (symmetry breaker; inert while the scales are 0),
+      ``sum(pre) = 1`` (``pre = 1/n``; for ``deepseek_v4`` the ``+eps`` is compensated in
+      ``b_pre``), ``post = 1``, ``res`` uniform (mHC) or ``I`` (HC). With equal streams this
+      reproduces the residual update exactly (see :mod:`unicache_train.model.convert`).
+
+    Monitoring: set ``self.record = True`` and each forward stores detached
+    :class:`HCCoeffs` in ``self.last_coeffs``; nothing is stored (or computed) otherwise.
+    The first connection of a decoder only ever sees ``n`` copies of the embedding: under mHC
+    its ``res`` acts only through its row sums (fixed at 1) and gets no gradient (as in HF).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        n, C = config.hc_mult, config.hidden_size
+        self.hc_mult = n
+        self.hidden_size = C
+        self.preset = hc_preset_of(config)
+        self.init_mode = config.hc_init
+        self.hc_sinkhorn_iters = config.hc_sinkhorn_iters
+        self.hc_eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps
+        self.init_std = config.initializer_range
+        K = (2 + n) * n
+        self.fn = nn.Parameter(torch.empty(K, n * C, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty(K, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+        self.record = False
+        self.last_coeffs: HCCoeffs | None = None
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        n, eps = self.hc_mult, self.hc_eps
+        b_pre, b_post, b_res = self.base.split([n, n, n * n])
+        b_res = b_res.view(n, n)
+        if self.init_mode == "identity":
+            # Symmetry breaker: with all scales 0 the output ignores fn; once the scales move,
+            # fn's row differences are what make the streams' coefficients differ (the
+            # gradients of equal streams are equal). std 1e-3 makes the streams diverge ~20x
+            # slower than the from-scratch std (spread 1e-5 vs 3e-4 after 4 AdamW steps).
+            nn.init.normal_(self.fn, std=self.init_std)
+            self.scale.zero_()
+            if self.preset == "hc":
+                b_pre.fill_(1.0 / n)
+                b_post.fill_(1.0)
+                b_res.copy_(torch.eye(n))
+            else:
+                # NOTE: deepseek_v4 adds eps after the sigmoid: sigmoid(b) = 1/n - eps makes
+                # pre = 1/n (sum 1) to fp32 rounding. The paper's H_pre has no eps.
+                b_pre.fill_(_logit(1.0 / n - (eps if self.preset == "deepseek_v4" else 0.0)))
+                b_post.zero_()  # 2 sigmoid(0) = 1
+                b_res.zero_()  # softmax / exp of a constant -> uniform 1/n after Sinkhorn
+            return
+        nn.init.normal_(self.fn, std=self.init_std)
+        if self.preset == "deepseek_v4":
+            self.base.zero_()
+            self.scale.fill_(1.0)
+        elif self.preset == "paper":
+            b_pre.fill_(_logit(1.0 / n))
+            b_post.zero_()
+            b_res.zero_()
+            self.scale.fill_(PAPER_ALPHA_INIT)
+        else:  # hc
+            b_pre.fill_(1.0 / n)
+            b_post.fill_(1.0)
+            b_res.copy_(torch.eye(n))
+            self.scale.fill_(HC_SCALE_INIT)
+
+    # ---------------------------------------------------------------------------- coefficients
+    def coefficients(self, x: torch.Tensor) -> HCCoeffs:
+        """Per-token pre/post/res from the streams.
+
+        Args:
+            x: [B, T, n, C] streams.
+
+        Returns:
+            :class:`HCCoeffs` (fp32): pre [B, T, n], post [B, T, n], res [B, T, n, n].
+        """
+        n = self.hc_mult
+        # NOTE: autocast off: the coefficients and Sinkhorn are fp32 by contract (HF keeps these
+        # modules fp32), also under bf16-mixed.
+        cdt = _compute_dtype(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            raw = _rms_project(x, self.fn.to(cdt), self.norm_eps)  # [B, T, K]
+            raw_pre, raw_post, raw_res = raw.split([n, n, n * n], dim=-1)
+            b_pre, b_post, b_res = self.base.to(cdt).split([n, n, n * n])
+            s_pre, s_post, s_res = self.scale.to(cdt).unbind(0)
+            raw_res = raw_res.unflatten(-1, (n, n))  # [B, T, n*n] -> [B, T, n, n]
+            b_res = b_res.view(n, n)
+            if self.preset == "hc":
+                pre = b_pre + s_pre * torch.tanh(raw_pre)
+                post = b_post + s_post * torch.tanh(raw_post)
+                res = b_res + s_res * torch.tanh(raw_res)
+                return HCCoeffs(pre, post, res)
+            logits = raw_res * s_res + b_res  # [B, T, n, n]
+            post = 2 * torch.sigmoid(raw_post * s_post + b_post)
+            if self.preset == "deepseek_v4":
+                pre = torch.sigmoid(raw_pre * s_pre + b_pre) + self.hc_eps
+                comb = sinkhorn(logits, self.hc_sinkhorn_iters, self.hc_eps, variant="deepseek_v4")
+                return HCCoeffs(pre, post, comb.transpose(-1, -2))  # res = comb^T
+            pre = torch.sigmoid(raw_pre * s_pre + b_pre)
+            res = sinkhorn(logits, self.hc_sinkhorn_iters, self.hc_eps, variant="paper")
+            return HCCoeffs(pre, post, res)
+
+    # --------------------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, branch: Branch) -> torch.Tensor:
+        """Collapse the streams, run the branch, expand and mix back.
+
+        ::
+
+            X [B,T,n,C] ──┬──► flatten ─► RMSNorm ─► @ fn^T ─► pre [n], post [n], res [n,n]
+                          │                                    │         │         │
+                          ├──► u = sum_i pre_i X_i  ◄──────────┘         │         │
+                          │      [B,T,C]                                 │         │
+                          │      └─► branch (norm + attn/MLP) ─► f [B,T,C]         │
+                          │                                      │                 │
+                          │                        post (x) f ◄──┘   [B,T,n,C]     │
+                          └──► res @ X  ◄──────────────────────────────────────────┘
+                                  [B,T,n,C] ──────────────► (+) ─► X' [B,T,n,C]
+
+        Args:
+            x: [B, T, n, C] streams (fp32 or bf16).
+            branch: ``h [B, T, C] -> [B, T, C]``, the sub-layer with its pre-norm.
+
+        Returns:
+            [B, T, n, C] mixed streams, in ``x.dtype``.
+        """
+        c = self.coefficients(x)
+        if self.record:
+            self.last_coeffs = c.detach()
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            u = _collapse(c.pre, x)  # [B, T, C]
+        f = branch(u)  # [B, T, C], under the caller's autocast
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return _mix(x, f, c.post, c.res)  # [B, T, n, C]
+
+    def extra_repr(self) -> str:
+        return (
+            f"preset={self.preset}, hc_mult={self.hc_mult}, hidden_size={self.hidden_size}, "
+            f"sinkhorn_iters={self.hc_sinkhorn_iters}, init={self.init_mode}"
+        )
+
+
+class HyperHead(_Fp32Params):
+    """Final stream collapse before the last norm; numerically HF's ``DeepseekV4HyperHead``.
+
+    ``pre = sigmoid(raw * hc_scale + hc_base) + hc_eps`` with ``raw = RMSNorm(flatten(X)) @
+    hc_fn^T``; output ``sum_i pre_i X_i``. Used for every preset. Init: ``default`` as HF
+    (``hc_fn ~ N(0, initializer_range)``, ``hc_base = 0``, ``hc_scale = 1``); ``identity``:
+    ``hc_scale = 0`` and ``hc_base = logit(1/n - eps)`` so that ``pre = 1/n`` and equal streams
+    collapse to themselves.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        n, C = config.hc_mult, config.hidden_size
+        self.hc_mult = n
+        self.hc_eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps
+        self.init_mode = config.hc_init
+        self.init_std = config.initializer_range
+        self.hc_fn = nn.Parameter(torch.empty(n, n * C, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.empty(n, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+        self.record = False
+        self.last_pre: torch.Tensor | None = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.init_mode == "identity":
+            nn.init.normal_(self.hc_fn, std=self.init_std)
+            self.hc_base.fill_(_logit(1.0 / self.hc_mult - self.hc_eps))
+            self.hc_scale.zero_()
+        else:
+            nn.init.normal_(self.hc_fn, std=self.init_std)
+            self.hc_base.zero_()
+            self.hc_scale.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, n, C] -> [B, T, C] (``last_pre`` [B, T, n] stored when ``record``)."""
+        cdt = _compute_dtype(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            raw = _rms_project(x, self.hc_fn.to(cdt), self.norm_eps)  # [B, T, n]
+            pre = torch.sigmoid(raw * self.hc_scale.to(cdt) + self.hc_base.to(cdt)) + self.hc_eps
+            if self.record:
+                self.last_pre = pre.detach()
+            return _collapse(pre, x)  # [B, T, C]
+
+    def extra_repr(self) -> str:
+        return f"hc_mult={self.hc_mult}, init={self.init_mode}"
