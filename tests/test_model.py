@@ -29,10 +29,10 @@ def _llama_pair(tie: bool):
     torch.manual_seed(0)
     hf = LlamaForCausalLM(hf_cfg).eval()
     ours = Decoder(cfg).eval()
-    sd = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
-    missing, unexpected = ours.load_state_dict(sd, strict=False)
-    assert not unexpected, unexpected
-    assert set(missing) <= {"lm_head.weight"} or tie is False, missing
+    from unicache_train.checkpoint.hf import from_hf_state_dict
+
+    # The importer checks every name and shape (see tests/test_hf_checkpoint.py).
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg, "llama"), strict=True)
     return hf, ours
 
 

@@ -11,15 +11,29 @@ from unicache_train.model import Decoder
 
 
 def load_checkpoint(path: str | Path, map_location: str = "cpu") -> tuple[Decoder, RunConfig]:
-    """Load a Lightning checkpoint written by our trainer into a plain :class:`Decoder`.
+    """Load a checkpoint written by our trainer into a plain :class:`Decoder`.
 
-    The run's resolved config travels in the checkpoint (``hyper_parameters["config"]``).
+    ``path`` is a Lightning ``.ckpt`` file or a ZeRO checkpoint directory (DeepSpeed strategies;
+    its shards are consolidated in memory, fp32). The run's resolved config travels in the
+    checkpoint (``hyper_parameters["config"]``).
     """
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        from unicache_train.checkpoint.zero import (
+            consolidate_zero_checkpoint,
+            is_zero_checkpoint,
+            read_zero_client_state,
+        )
+
+        if not is_zero_checkpoint(path):
+            raise ValueError(f"{path}: a directory but not a ZeRO checkpoint (no 'latest' file)")
+        ckpt = read_zero_client_state(path)
+        ckpt["state_dict"] = consolidate_zero_checkpoint(path)
+    elif path.is_file():
+        # Lightning checkpoints hold loop state beside tensors; they are our own files.
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    else:
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    # Lightning checkpoints hold loop state beside tensors; they are our own files.
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
     hparams = ckpt.get("hyper_parameters", {})
     if "config" not in hparams:
         raise ValueError(f"{path}: not a unicache_train checkpoint (no hyper_parameters.config)")

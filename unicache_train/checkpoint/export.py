@@ -1,0 +1,84 @@
+"""Export one of our training checkpoints (``.ckpt`` / ZeRO dir) to an inference format.
+
+``hf``: :func:`unicache_train.checkpoint.hf.export_hf` (Llama / Qwen2 / Qwen3 / Mistral, or our
+``unicache_mhc`` remote-code format for mHC models); ``deepseek_v3``: MLA models through
+:func:`unicache_train.checkpoint.deepseek_v3.export_deepseek_v3`. The run's tokenizer (when it
+is a local HF tokenizer directory) is saved next to the weights, and, when the run trained with
+KV compression in the loop, its policy goes to ``compression_config.json``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from unicache_train.checkpoint.hf import (
+    FAMILIES,
+    HFCheckpointError,
+    export_hf,
+    write_compression_config,
+)
+from unicache_train.checkpoint.lightning_ckpt import load_checkpoint
+from unicache_train.config import RunConfig
+
+__all__ = ["EXPORT_FORMATS", "export_checkpoint", "compression_policy_of"]
+
+EXPORT_FORMATS = ("hf", "deepseek_v3")
+
+
+def compression_policy_of(config: RunConfig) -> dict[str, Any] | None:
+    """The in-loop compression policy a run trained with (None when compression was off)."""
+    cc = config.compress
+    if not cc.enabled:
+        return None
+    unicache = cc.unicache.to_dict() if hasattr(cc.unicache, "to_dict") else cc.unicache
+    return {"method": cc.method, "preset": cc.preset, "unicache": unicache}
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    format: str = "hf",  # noqa: A002  (the CLI flag's name)
+    family: str = "llama",
+    dtype: str = "fp32",
+    with_compression_config: bool = True,
+) -> Path:
+    """Load ``checkpoint`` and write it to ``out`` in ``format``; returns ``out``."""
+    if format not in EXPORT_FORMATS:
+        raise HFCheckpointError(f"format={format!r}: choose one of {list(EXPORT_FORMATS)}")
+    if format == "hf" and family not in FAMILIES:
+        raise HFCheckpointError(f"family={family!r}: choose one of {sorted(FAMILIES)}")
+    model, config = load_checkpoint(checkpoint)
+    tokenizer = _tokenizer(config)
+    # Special ids outside the model's vocabulary (a byte tokenizer on a tiny test model) are
+    # not recorded: transformers warns on them and generate would index out of range.
+    ids = {
+        name: (i if isinstance(i, int) and 0 <= i < model.config.vocab_size else None)
+        for name in ("bos_token_id", "eos_token_id")
+        for i in [getattr(tokenizer, name, None)]
+    }
+    policy = compression_policy_of(config) if with_compression_config else None
+    out = Path(out)
+    if format == "deepseek_v3":
+        from unicache_train.checkpoint.deepseek_v3 import export_deepseek_v3
+        from unicache_train.checkpoint.hf import _dtype_name
+
+        export_deepseek_v3(model, out, dtype=_dtype_name(dtype, model), **ids)
+        if policy is not None:
+            write_compression_config(policy, out)
+    else:
+        export_hf(model, out, family=family, dtype=dtype, compression_policy=policy, **ids)
+    hf_tok = getattr(tokenizer, "tok", None)  # HFTokenizer wraps a transformers tokenizer
+    if hf_tok is not None:
+        hf_tok.save_pretrained(str(out))
+    return out
+
+
+def _tokenizer(config: RunConfig):
+    from unicache_train.data.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(config.data.tokenizer)
+    except FileNotFoundError:
+        return None  # the run's tokenizer directory moved: export weights without it

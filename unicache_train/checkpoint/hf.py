@@ -1,0 +1,617 @@
+"""Import and export HF transformers checkpoints: Llama, Qwen2, Qwen3, Mistral (+ our mHC format).
+
+A checkpoint directory is ``config.json`` plus safetensors (``model.safetensors``, or shards listed
+in ``model.safetensors.index.json``). Our parameter names are HF's without the ``model.`` prefix
+(``layers.{i}.self_attn.q_proj.weight``, ``embed_tokens.weight``, ...), so the state-dict maps are
+near-identity; the work is in checking that the checkpoint means what our decoder computes.
+
+Family differences we map (transformers 5 modeling files):
+
+============  ===========================  ==============================================
+family        attention biases             other
+============  ===========================  ==============================================
+llama         q/k/v/o iff attention_bias   ``mlp_bias`` must be False
+qwen2         q/k/v always, o never        sliding window must be off
+qwen3         q/k/v/o iff attention_bias   per-head ``q_norm``/``k_norm``; explicit head_dim
+mistral       none                         ``sliding_window`` must be null (or >= max pos)
+============  ===========================  ==============================================
+
+Our ``attention_bias`` is q/k/v only, so an imported ``o_proj.bias`` is refused unless it is all
+zeros, and export writes zero ``o_proj`` biases (and zero q/k/v biases for Qwen2 when our model
+has none): exact, not approximate.
+
+Anything we cannot represent raises :class:`HFCheckpointError` naming the field or tensor:
+unknown ``model_type``/architecture, RoPE scaling, partial rotary, a sliding window in use,
+non-SiLU activations, missing / unexpected / mis-shaped tensors, and unreadable (truncated or
+corrupted) safetensors files. Nothing is loaded partially: every tensor is read and checked
+before the model is built.
+
+mHC models (``residual_mode="mhc"``, preset ``deepseek_v4``) export to our own HF format:
+``model_type = "unicache_mhc"`` with ``configuration_unicache_mhc.py`` and
+``modeling_unicache_mhc.py`` copied next to the weights and an ``auto_map``, loaded with
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``. Tensor names are ours with
+the ``model.`` prefix (``model.layers.{i}.attn_hc.fn``, ``model.hc_head.hc_fn``).
+
+``compression_config.json`` (written when a compression policy is passed) is::
+
+    {"schema_version": 1,            # bump on incompatible changes
+     "format": "unicache_compression",
+     "library": "unicache_train",
+     "policy": {...}}                # the caller's dict, verbatim (JSON-serialisable)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from unicache_train.config import ConfigError, ModelConfig
+from unicache_train.model import Decoder
+
+__all__ = [
+    "FAMILIES",
+    "COMPRESSION_SCHEMA_VERSION",
+    "HFCheckpointError",
+    "from_hf_config",
+    "to_hf_config",
+    "from_hf_state_dict",
+    "to_hf_state_dict",
+    "load_safetensors_dir",
+    "import_hf",
+    "export_hf",
+    "merge_kv_heads",
+]
+
+# model_type -> the CausalLM architecture name transformers registers for it.
+FAMILIES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+MHC_MODEL_TYPE = "unicache_mhc"
+MHC_ARCHITECTURE = "UnicacheMhcForCausalLM"
+COMPRESSION_SCHEMA_VERSION = 1
+_REMOTE_CODE = Path(__file__).parent / "remote_code"
+# Buffers some older checkpoints carry; recomputed by us, never weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class HFCheckpointError(ValueError):
+    """The checkpoint (or model) has a feature the target format or our decoder lacks."""
+
+
+# ------------------------------------------------------------------------------------ config
+def _rope(hf: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
+    """(rope_type, rope_theta, params) from v5 ``rope_parameters`` or legacy ``rope_scaling``."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    return rope_type or "default", float(theta), {**legacy, **params}
+
+
+def from_hf_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
+    """An HF ``config.json`` dict -> (our :class:`ModelConfig`, family).
+
+    Raises:
+        HFCheckpointError: unknown family or an option our decoder does not implement.
+    """
+    model_type = hf.get("model_type")
+    if model_type == MHC_MODEL_TYPE:
+        return _from_mhc_config(hf), MHC_MODEL_TYPE
+    if model_type not in FAMILIES:
+        raise HFCheckpointError(
+            f"config.json model_type={model_type!r} is not supported; supported: "
+            f"{sorted(FAMILIES)} (and {MHC_MODEL_TYPE!r}, our mHC export)"
+        )
+    archs = hf.get("architectures") or [FAMILIES[model_type]]
+    if FAMILIES[model_type] not in archs:
+        raise HFCheckpointError(
+            f"config.json architectures={archs!r}: expected {FAMILIES[model_type]!r} for "
+            f"model_type={model_type!r} (only causal-LM checkpoints can be imported)"
+        )
+    _check_common(hf)
+    bias = bool(hf.get("attention_bias", False))
+    if model_type == "qwen2":
+        bias = True  # Qwen2 has q/k/v biases whatever the config says (and no o_proj bias).
+    elif model_type == "mistral":
+        bias = False
+    if model_type == "llama" and hf.get("mlp_bias", False):
+        raise HFCheckpointError("config.json mlp_bias=True: our SwiGLU MLP has no biases")
+    if model_type in ("qwen2", "qwen3"):
+        if hf.get("use_sliding_window", False):
+            raise HFCheckpointError(
+                f"config.json use_sliding_window=True (sliding_window={hf.get('sliding_window')}):"
+                " sliding-window attention is not implemented"
+            )
+        layer_types = hf.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise HFCheckpointError(
+                f"config.json layer_types={layer_types!r}: only 'full_attention' layers are "
+                "implemented"
+            )
+    if model_type == "mistral":
+        window = hf.get("sliding_window")
+        max_pos = int(hf.get("max_position_embeddings", 4096))
+        if window is not None and int(window) < max_pos:
+            raise HFCheckpointError(
+                f"config.json sliding_window={window} < max_position_embeddings={max_pos}: "
+                "sliding-window attention is in use and not implemented (set sliding_window to "
+                "null, or max_position_embeddings <= sliding_window, if you only need short "
+                "contexts)"
+            )
+    return _model_config(hf, attention_bias=bias, qk_norm=model_type == "qwen3"), model_type
+
+
+def _check_common(hf: dict[str, Any]) -> None:
+    rope_type, _, params = _rope(hf)
+    if rope_type != "default":
+        raise HFCheckpointError(
+            f"config.json rope_parameters.rope_type={rope_type!r}: RoPE scaling is not "
+            "implemented; only 'default' RoPE can be imported"
+        )
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise HFCheckpointError(
+            f"config.json partial_rotary_factor={partial}: only full-head RoPE is implemented"
+        )
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFCheckpointError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU)")
+
+
+def _model_config(hf: dict[str, Any], **extra: Any) -> ModelConfig:
+    _, theta, _ = _rope(hf)
+    H = int(hf["num_attention_heads"])
+    C = int(hf["hidden_size"])
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and int(head_dim) == C // H and C % H == 0:
+        head_dim = None  # derived: keep it derived so that a resized model re-derives it
+    try:
+        return ModelConfig(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=C,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=H,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or H),
+            head_dim=None if head_dim is None else int(head_dim),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            rope_theta=theta,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+            **extra,
+        )
+    except KeyError as err:
+        raise HFCheckpointError(f"config.json lacks the required field {err.args[0]!r}") from err
+    except ConfigError as err:
+        raise HFCheckpointError(f"config.json is not representable: {err}") from err
+
+
+def _from_mhc_config(hf: dict[str, Any]) -> ModelConfig:
+    _check_common(hf)
+    return _model_config(
+        hf,
+        attention_bias=bool(hf.get("attention_bias", False)),
+        qk_norm=bool(hf.get("qk_norm", False)),
+        residual_mode="mhc",
+        hc_preset="deepseek_v4",
+        hc_mult=int(hf["hc_mult"]),
+        hc_sinkhorn_iters=int(hf["hc_sinkhorn_iters"]),
+        hc_eps=float(hf["hc_eps"]),
+    )
+
+
+def _check_family(config: ModelConfig, family: str) -> None:
+    if config.attention_type != "gqa":
+        raise HFCheckpointError(
+            f"ModelConfig.attention_type={config.attention_type!r}: MLA models export with "
+            "unicache_train.checkpoint.deepseek_v3.export_deepseek_v3 (--format deepseek_v3)"
+        )
+    if config.uses_streams:
+        if config.residual_mode != "mhc" or config.hc_preset != "deepseek_v4":
+            raise HFCheckpointError(
+                f"ModelConfig.residual_mode={config.residual_mode!r}, hc_preset="
+                f"{config.hc_preset!r}: only mHC with the 'deepseek_v4' preset has an HF format"
+            )
+        return
+    if family not in FAMILIES:
+        raise HFCheckpointError(f"family={family!r}: choose one of {sorted(FAMILIES)}")
+    if config.qk_norm != (family == "qwen3"):
+        raise HFCheckpointError(
+            f"ModelConfig.qk_norm={config.qk_norm} cannot be written as family={family!r} "
+            "(q_norm/k_norm exist in, and only in, qwen3)"
+        )
+    if config.attention_bias and family == "mistral":
+        raise HFCheckpointError(
+            "ModelConfig.attention_bias=True: Mistral attention has no biases; export as "
+            "'qwen2' (q/k/v biases) or 'llama'"
+        )
+
+
+def to_hf_config(
+    config: ModelConfig,
+    family: str = "llama",
+    *,
+    dtype: str = "float32",
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> dict[str, Any]:
+    """Our :class:`ModelConfig` -> an HF ``config.json`` dict (``family`` ignored for mHC models,
+    which always get our ``unicache_mhc`` remote-code format)."""
+    _check_family(config, family)
+    mhc = config.uses_streams
+    model_type = MHC_MODEL_TYPE if mhc else family
+    out: dict[str, Any] = {
+        "architectures": [MHC_ARCHITECTURE if mhc else FAMILIES[family]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_size,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "initializer_range": config.initializer_range,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        # v5 reads rope_parameters; vLLM / older transformers read rope_theta.
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(config.rope_theta)},
+        "rope_theta": float(config.rope_theta),
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+        "use_cache": True,
+        "dtype": dtype,
+    }
+    if mhc:
+        out.update(
+            attention_bias=config.attention_bias,
+            qk_norm=config.qk_norm,
+            hc_mult=config.hc_mult,
+            hc_sinkhorn_iters=config.hc_sinkhorn_iters,
+            hc_eps=config.hc_eps,
+            auto_map={
+                "AutoConfig": "configuration_unicache_mhc.UnicacheMhcConfig",
+                "AutoModelForCausalLM": f"modeling_unicache_mhc.{MHC_ARCHITECTURE}",
+            },
+        )
+    elif family in ("llama", "qwen3"):
+        # NOTE: True also gives o_proj a bias in these families; export writes it as zeros.
+        out["attention_bias"] = config.attention_bias
+        if family == "llama":
+            out["mlp_bias"] = False
+    if family in ("qwen2", "qwen3") and not mhc:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=0,
+                   layer_types=["full_attention"] * config.num_hidden_layers)
+    if family == "mistral" and not mhc:
+        out["sliding_window"] = None
+    return out
+
+
+# ------------------------------------------------------------------------------- state dict
+def _expected_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        model = Decoder(config)
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+def from_hf_state_dict(
+    hf_sd: dict[str, torch.Tensor], config: ModelConfig, family: str
+) -> dict[str, torch.Tensor]:
+    """HF tensors -> our state dict, checked tensor by tensor against ``config``.
+
+    Raises:
+        HFCheckpointError: a tensor is missing, unexpected, or has the wrong shape (the message
+            names it), or a bias we do not model is non-zero.
+    """
+    expected = _expected_shapes(config)
+    sd: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for name, w in hf_sd.items():
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        ours = name if name == "lm_head.weight" else name.removeprefix("model.")
+        if ours.endswith("self_attn.o_proj.bias"):
+            if bool(w.any()):
+                raise HFCheckpointError(
+                    f"tensor {name!r} is non-zero: our attention has no o_proj bias "
+                    f"(config attention_bias=True in {family!r} adds one)"
+                )
+            continue
+        if ours not in expected or (name != "lm_head.weight" and not name.startswith("model.")):
+            unexpected.append(name)
+            continue
+        if w.shape != expected[ours]:
+            raise HFCheckpointError(
+                f"tensor {name!r} has shape {list(w.shape)}; config.json implies "
+                f"{list(expected[ours])}"
+            )
+        sd[ours] = w
+    if config.tie_word_embeddings:
+        if "lm_head.weight" in sd and "embed_tokens.weight" in sd and not torch.equal(
+            sd["lm_head.weight"], sd["embed_tokens.weight"]
+        ):
+            raise HFCheckpointError(
+                "tie_word_embeddings=True but 'lm_head.weight' differs from "
+                "'model.embed_tokens.weight'"
+            )
+        if "embed_tokens.weight" in sd:
+            sd["lm_head.weight"] = sd["embed_tokens.weight"]
+    missing = sorted(
+        ("model." + k if k != "lm_head.weight" else k) for k in set(expected) - set(sd)
+    )
+    if unexpected or missing:
+        raise HFCheckpointError(
+            f"tensors do not match config.json (family {family!r}): missing {missing}, "
+            f"unexpected {sorted(unexpected)}"
+        )
+    return sd
+
+
+def to_hf_state_dict(model: Decoder, family: str = "llama") -> dict[str, torch.Tensor]:
+    """Our decoder -> HF tensor names for ``family`` (or our mHC format), contiguous CPU copies."""
+    config = model.config
+    _check_family(config, family)
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)  # HF re-ties it to the embedding on load
+    out = {
+        (k if k == "lm_head.weight" else f"model.{k}"): v.cpu().contiguous().clone()
+        for k, v in sd.items()
+    }
+    if config.uses_streams:
+        return out
+    C, D = config.hidden_size, config.head_size
+    H, Hk = config.num_attention_heads, config.num_key_value_heads
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        dtype = out[p + "q_proj.weight"].dtype
+        if family == "qwen2" and not config.attention_bias:
+            # Qwen2 always has q/k/v biases: zeros are exact.
+            out[p + "q_proj.bias"] = torch.zeros(H * D, dtype=dtype)
+            out[p + "k_proj.bias"] = torch.zeros(Hk * D, dtype=dtype)
+            out[p + "v_proj.bias"] = torch.zeros(Hk * D, dtype=dtype)
+        if family in ("llama", "qwen3") and config.attention_bias:
+            out[p + "o_proj.bias"] = torch.zeros(C, dtype=dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------- files
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise HFCheckpointError(f"safetensors file not found: {file}")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise HFCheckpointError(
+            f"{file}: cannot read the safetensors file ({err}); it is corrupted or truncated"
+        ) from err
+
+
+def load_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory (single file or sharded with an index).
+
+    With an index, each shard is read completely and every tensor the index lists must be in
+    the shard it names (a truncated download is caught here, not as a missing weight later).
+    Pickle files (``*.bin``) are never read.
+    """
+    path = Path(path)
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.is_file():
+        return _read_safetensors(single)
+    if not index.is_file():
+        hint = " (pickle .bin checkpoints are not read)" if any(path.glob("*.bin")) else ""
+        raise FileNotFoundError(
+            f"{path}: no model.safetensors or model.safetensors.index.json{hint}"
+        )
+    try:
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise HFCheckpointError(f"{index}: not a valid safetensors index ({err})") from err
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        part = _read_safetensors(path / shard)
+        listed = {k for k, v in weight_map.items() if v == shard}
+        absent = sorted(listed - set(part))
+        if absent:
+            raise HFCheckpointError(
+                f"{path / shard}: tensors listed in the index are absent from the shard: "
+                f"{absent[:8]}{' ...' if len(absent) > 8 else ''}"
+            )
+        tensors.update(part)
+    return tensors
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise HFCheckpointError(f"{config_file}: invalid JSON ({err})") from err
+
+
+def import_hf(
+    path: str | Path, *, dtype: torch.dtype | None = None
+) -> tuple[Decoder, ModelConfig]:
+    """Build our :class:`Decoder` from a local HF checkpoint directory.
+
+    Supports ``llama``, ``qwen2``, ``qwen3``, ``mistral`` and our ``unicache_mhc`` export. The
+    tokenizer, if the directory has one, loads with
+    ``unicache_train.data.tokenizer.load_tokenizer(path)``.
+
+    Args:
+        path: directory with ``config.json`` and safetensors weights.
+        dtype: parameter dtype of the returned model (default fp32; mHC parameters stay fp32).
+
+    Returns:
+        (model in eval mode, its :class:`ModelConfig`).
+
+    Raises:
+        HFCheckpointError: unsupported family/option, missing/unexpected/mis-shaped tensors,
+            unreadable safetensors.
+        FileNotFoundError: no config.json or no weights.
+    """
+    path = Path(path)
+    config, family = from_hf_config(_read_config(path))
+    sd = from_hf_state_dict(load_safetensors_dir(path), config, family)
+    model = Decoder(config)
+    model.load_state_dict(sd, strict=True)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval(), config
+
+
+def _dtype_name(dtype: torch.dtype | str | None, model: Decoder) -> torch.dtype:
+    if dtype is None:
+        return model.embed_tokens.weight.dtype
+    if isinstance(dtype, str):
+        names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+        if dtype not in names:
+            raise HFCheckpointError(f"dtype={dtype!r}: choose one of {sorted(names)}")
+        return names[dtype]
+    return dtype
+
+
+def export_hf(
+    model: Decoder,
+    out_dir: str | Path,
+    family: str = "llama",
+    *,
+    dtype: torch.dtype | str | None = None,
+    compression_policy: dict[str, Any] | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` that ``AutoModelForCausalLM.from_pretrained``
+    loads (mHC models: plus the remote-code files; load with ``trust_remote_code=True``).
+
+    Args:
+        model: a GQA :class:`Decoder` (plain residual, or mHC with the ``deepseek_v4`` preset).
+        out_dir: directory to create / overwrite.
+        family: ``llama`` | ``qwen2`` | ``qwen3`` | ``mistral`` (ignored for mHC models).
+        dtype: ``"fp32"`` / ``"bf16"`` / a torch dtype; default: the model's dtype. mHC
+            connection parameters stay fp32 (as HF keeps deepseek_v4's).
+        compression_policy: if given, written to ``compression_config.json`` (see module doc).
+        bos_token_id, eos_token_id: the tokenizer's special ids, recorded in the config.
+
+    Returns:
+        ``out_dir`` as a :class:`Path`.
+    """
+    target = _dtype_name(dtype, model)
+    sd = to_hf_state_dict(model, family)
+    sd = {k: (v if _is_hc(k) else v.to(target)) for k, v in sd.items()}
+    hf_config = to_hf_config(
+        model.config, family, dtype=str(target).removeprefix("torch."),
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if model.config.uses_streams:
+        for name in ("configuration_unicache_mhc.py", "modeling_unicache_mhc.py"):
+            shutil.copyfile(_REMOTE_CODE / name, out / name)
+    if compression_policy is not None:
+        write_compression_config(compression_policy, out)
+    return out
+
+
+def _is_hc(name: str) -> bool:
+    return ".attn_hc." in name or ".ffn_hc." in name or ".hc_head." in name
+
+
+def write_compression_config(policy: dict[str, Any], out_dir: str | Path) -> Path:
+    """Serialise a compression policy next to exported weights (``compression_config.json``)."""
+    if dataclasses.is_dataclass(policy) and not isinstance(policy, type):
+        policy = dataclasses.asdict(policy)
+    if not isinstance(policy, dict):
+        raise HFCheckpointError(f"compression policy must be a dict, got {type(policy).__name__}")
+    doc = {
+        "schema_version": COMPRESSION_SCHEMA_VERSION,
+        "format": "unicache_compression",
+        "library": "unicache_train",
+        "policy": policy,
+    }
+    try:
+        text = json.dumps(doc, indent=2, sort_keys=False)
+    except TypeError as err:
+        raise HFCheckpointError(f"compression policy is not JSON-serialisable: {err}") from err
+    file = Path(out_dir) / "compression_config.json"
+    file.write_text(text + "\n")
+    return file
+
+
+# --------------------------------------------------------------------------- head merging
+def merge_kv_heads(model: Decoder, groups: list[list[list[int]]]) -> Decoder:
+    """A copy of ``model`` whose KV heads are merged: fewer ``num_key_value_heads``.
+
+    ``groups[l]`` partitions layer ``l``'s KV heads into ``G`` groups (the same ``G`` for every
+    layer); the K and V projection rows (and biases) of a group are averaged into one KV head.
+    Query heads are re-ordered so that each merged KV head serves the queries of its members
+    (the ``o_proj`` columns follow), which keeps the function exact for the query side: the
+    result is what our model computes when each group's K/V are replaced by their average.
+
+    Every group must hold the same number of KV heads (GQA needs equal query counts per KV
+    head). Export the result with :func:`export_hf` like any GQA model.
+    """
+    config: ModelConfig = model.config
+    if config.attention_type != "gqa":
+        raise HFCheckpointError("merge_kv_heads: GQA models only")
+    L, Hk, H, D = (config.num_hidden_layers, config.num_key_value_heads,
+                   config.num_attention_heads, config.head_size)
+    if len(groups) != L:
+        raise HFCheckpointError(f"merge_kv_heads: {len(groups)} layer groupings for {L} layers")
+    G = len(groups[0])
+    for li, layer_groups in enumerate(groups):
+        flat = sorted(h for g in layer_groups for h in g)
+        if len(layer_groups) != G:
+            raise HFCheckpointError(
+                f"merge_kv_heads: layer {li} has {len(layer_groups)} groups, layer 0 has {G}"
+            )
+        if flat != list(range(Hk)):
+            raise HFCheckpointError(
+                f"merge_kv_heads: layer {li} groups {layer_groups} are not a partition of "
+                f"range({Hk})"
+            )
+        if len({len(g) for g in layer_groups}) != 1:
+            raise HFCheckpointError(
+                f"merge_kv_heads: layer {li} groups {layer_groups} have unequal sizes"
+            )
+    new_config = dataclasses.replace(config, num_key_value_heads=G)
+    new = Decoder(new_config).to(model.embed_tokens.weight.dtype)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    rep = H // Hk  # queries per source KV head
+    for li, layer_groups in enumerate(groups):
+        p = f"layers.{li}.self_attn."
+        q_order = [h * rep + r for g in layer_groups for h in g for r in range(rep)]
+        q_idx = torch.cat([torch.arange(q * D, (q + 1) * D) for q in q_order])
+        sd[p + "q_proj.weight"] = sd[p + "q_proj.weight"][q_idx]
+        if p + "q_proj.bias" in sd:
+            sd[p + "q_proj.bias"] = sd[p + "q_proj.bias"][q_idx]
+        sd[p + "o_proj.weight"] = sd[p + "o_proj.weight"][:, q_idx]
+        for name in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"):
+            if p + name not in sd:
+                continue
+            w = sd[p + name].view(Hk, D, *sd[p + name].shape[1:])  # [Hk, D, (C)]
+            sd[p + name] = torch.stack([w[g].mean(0) for g in layer_groups]).flatten(0, 1)
+    if config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    new.load_state_dict(sd, strict=not config.tie_word_embeddings)
+    return new.train(model.training)

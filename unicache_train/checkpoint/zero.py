@@ -1,0 +1,259 @@
+"""ZeRO checkpoints (DeepSpeed directories): consolidation, and crash-safe publication.
+
+A ZeRO checkpoint is a directory, one shard per rank::
+
+    step000008.ckpt/                    (Lightning names the directory like a file)
+    ├── latest                          the tag ("checkpoint")
+    ├── zero_to_fp32.py                 DeepSpeed's offline converter
+    └── checkpoint/
+        ├── mp_rank_00_model_states.pt  Lightning's client state (loops, schedulers, config, ...)
+        └── *_optim_states.pt           the fp32 master weights + optimizer state, per rank
+
+:func:`consolidate_zero_checkpoint` gathers the shards into one state dict (the LightningModule's
+keys, ``model.*``) and optionally writes a plain Lightning ``.ckpt`` file that
+:func:`unicache_train.checkpoint.load_checkpoint` and ``LMModule.load_from_checkpoint`` read.
+
+Crash safety: a checkpoint is written under a temporary name in its final directory
+(``NAME.tmp``) and renamed into place once every rank has finished (:func:`publish`). A file is
+replaced by one atomic ``os.replace``; a directory cannot be (``rename`` refuses a non-empty
+target), so the old one moves aside to ``NAME.old`` first and is deleted after the new one is in
+place. Hence every path called ``*.ckpt`` is complete; a kill between the two renames leaves the
+complete ``NAME.old``, which :func:`find_resume_checkpoint` falls back to.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TMP_SUFFIX",
+    "OLD_SUFFIX",
+    "is_zero_checkpoint",
+    "zero_world_size",
+    "consolidate_zero_checkpoint",
+    "read_zero_client_state",
+    "temporary_path",
+    "remove_path",
+    "atomic_write",
+    "publish",
+    "remove_stale_temporaries",
+    "find_resume_checkpoint",
+]
+
+TMP_SUFFIX = ".tmp"
+OLD_SUFFIX = ".old"
+
+# Keys DeepSpeed adds to the client state; everything else is Lightning's checkpoint dict.
+_DEEPSPEED_KEYS = (
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+    "csr_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
+)
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+# --------------------------------------------------------------------------------- inspection
+def _tag_dir(ckpt_dir: Path) -> Path:
+    latest = ckpt_dir / "latest"
+    if not latest.is_file():
+        raise ValueError(f"{ckpt_dir}: not a ZeRO checkpoint directory (no 'latest' file)")
+    tag_dir = ckpt_dir / latest.read_text().strip()
+    if not tag_dir.is_dir():
+        raise ValueError(f"{ckpt_dir}: 'latest' names {tag_dir.name!r}, which does not exist")
+    return tag_dir
+
+
+def is_zero_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` is a DeepSpeed checkpoint directory (it has a ``latest`` tag file)."""
+    path = Path(path)
+    return path.is_dir() and (path / "latest").is_file()
+
+
+def zero_world_size(ckpt_dir: str | Path) -> int:
+    """How many data-parallel ranks wrote the checkpoint (one optimizer shard each)."""
+    return len(list(_tag_dir(Path(ckpt_dir)).glob("*_optim_states.pt")))
+
+
+def read_zero_client_state(ckpt_dir: str | Path) -> dict[str, Any]:
+    """Lightning's part of a ZeRO checkpoint (loops, schedulers, hyper-parameters), no tensors
+    of the model."""
+    tag_dir = _tag_dir(Path(ckpt_dir))
+    files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        raise ValueError(f"{ckpt_dir}: no model-states file in {tag_dir}")
+    # rank 0's file (ZeRO-3: zero_pp_rank_0_...; ZeRO-1/2: mp_rank_00_...); our own files.
+    state = torch.load(files[0], map_location="cpu", weights_only=False)
+    return {k: v for k, v in state.items() if k not in _DEEPSPEED_KEYS}
+
+
+# --------------------------------------------------------------------------------- consolidation
+def _keeps_fp32(key: str) -> bool:
+    """Hyper-connection parameters stay fp32 in every dtype (DESIGN §4; ``attn_hc.*``,
+    ``ffn_hc.*``, ``hc_head.*``): their Sinkhorn inputs lose too much in bf16."""
+    name = key.removeprefix("model.")
+    return "_hc." in name or name.startswith("hc_head.")
+
+
+def consolidate_zero_checkpoint(
+    ckpt_dir: str | Path,
+    out_file: str | Path | None = None,
+    dtype: str | torch.dtype = "fp32",
+) -> dict[str, torch.Tensor]:
+    """Gather a ZeRO stage 1/2/3 checkpoint's shards into one full state dict.
+
+    The weights come from the fp32 master copies in the optimizer shards (DeepSpeed's
+    ``get_fp32_state_dict_from_zero_checkpoint``), so they are exact even when training ran in
+    bf16; tied weights come back tied.
+
+    Args:
+        ckpt_dir: the checkpoint directory (e.g. ``runs/x/checkpoints/last.ckpt``).
+        out_file: when given, also write a Lightning ``.ckpt`` file there (the client state with
+            this ``state_dict``; no optimizer state), written atomically.
+        dtype: ``"fp32"`` (default) or ``"bf16"`` / ``"fp16"``: the dtype of floating tensors
+            (hyper-connection parameters stay fp32, as the model keeps them).
+
+    Returns:
+        The LightningModule state dict (keys ``model.*``), tensors on CPU.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ckpt_dir = Path(ckpt_dir)
+    if not is_zero_checkpoint(ckpt_dir):
+        raise ValueError(f"{ckpt_dir}: not a ZeRO checkpoint directory (no 'latest' file)")
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}: choose one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
+    state: dict[str, torch.Tensor] = {}
+    converted: dict[int, torch.Tensor] = {}  # keeps tied tensors tied after the cast
+    for name, t in fp32.items():
+        # Lightning < 2.1 wrapped the module; its prefix may linger in old checkpoints.
+        key = name.removeprefix("_forward_module.")
+        if id(t) not in converted:
+            cast = t.is_floating_point() and not _keeps_fp32(key)
+            converted[id(t)] = t.to(dtype) if cast else t
+        state[key] = converted[id(t)]
+    if out_file is not None:
+        client = read_zero_client_state(ckpt_dir)
+        client["state_dict"] = state
+        atomic_write(Path(out_file), lambda tmp: torch.save(client, tmp))
+    return state
+
+
+# --------------------------------------------------------------------------------- crash safety
+def temporary_path(path: Path) -> Path:
+    """Where a checkpoint is written before :func:`publish` renames it to ``path``."""
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(path.name + OLD_SUFFIX)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or a directory tree; no error when it is missing."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Move a complete checkpoint (file or directory) from ``tmp`` to ``path``.
+
+    A file replaces the old one atomically. A directory swaps in with two renames
+    (``path -> path.old``, ``tmp -> path``), then ``path.old`` is deleted.
+    """
+    tmp, path = Path(tmp), Path(path)
+    if tmp.is_dir():
+        old = _old(path)
+        remove_path(old)
+        if path.exists():
+            os.replace(path, old)
+        # NOTE: between these two renames `path` is missing; `path.old` is complete.
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        remove_path(old)
+    else:
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)`` on a temporary sibling of ``path``, fsync it, then :func:`publish`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_path(path)
+    remove_path(tmp)
+    write(tmp)
+    if tmp.is_file():
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+    publish(tmp, path)
+
+
+def remove_stale_temporaries(ckpt_dir: str | Path) -> list[Path]:
+    """Delete what a killed run left half-written in ``ckpt_dir`` (``*.tmp``), and any
+    ``NAME.old`` whose ``NAME`` is in place. Returns what was removed."""
+    ckpt_dir = Path(ckpt_dir)
+    removed: list[Path] = []
+    if not ckpt_dir.is_dir():
+        return removed
+    for p in sorted(ckpt_dir.iterdir()):
+        stale = p.name.endswith(TMP_SUFFIX) or (
+            p.name.endswith(OLD_SUFFIX) and p.with_name(p.name[: -len(OLD_SUFFIX)]).exists()
+        )
+        if stale:
+            remove_path(p)
+            removed.append(p)
+    return removed
+
+
+def find_resume_checkpoint(ckpt_dir: str | Path, name: str = "last.ckpt") -> Path | None:
+    """The checkpoint ``resume="auto"`` continues from: ``NAME`` (file or ZeRO directory), else
+    ``NAME.old`` (a kill between the two renames of :func:`publish`), else None.
+
+    Temporary names are never returned: a ``*.tmp`` may be half-written.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    for candidate in (ckpt_dir / name, _old(ckpt_dir / name)):
+        if candidate.is_file() or is_zero_checkpoint(candidate):
+            return candidate
+    return None
