@@ -15,9 +15,12 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from unicache_train.compress.config import UniCacheConfig
 
 __all__ = [
     "ConfigError",
@@ -27,6 +30,7 @@ __all__ = [
     "TrainConfig",
     "LoggingConfig",
     "MonitorConfig",
+    "CompressionTrainConfig",
     "RunConfig",
 ]
 
@@ -103,6 +107,8 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     attention_bias: bool = False
+    # Qwen3: RMSNorm over head_dim of each query/key head before RoPE (``q_norm``/``k_norm``).
+    qk_norm: bool = False
     attention_type: str = "gqa"
     # Hyper-connections (names as in transformers' deepseek_v4).
     residual_mode: str = "residual"
@@ -144,6 +150,13 @@ class ModelConfig:
         _range(self, "rms_norm_eps", 0, 1, lo_open=True)
         _range(self, "initializer_range", 0, 1, lo_open=True)
         _choice(self, "attention_type", ATTENTION_TYPES)
+        if not isinstance(self.qk_norm, bool):
+            raise ConfigError(f"ModelConfig.qk_norm={self.qk_norm!r}: expected a bool")
+        if self.qk_norm and self.attention_type == "mla":
+            raise ConfigError(
+                "ModelConfig.qk_norm=True is a GQA option (Qwen3's per-head q_norm/k_norm); "
+                "not allowed with attention_type='mla'"
+            )
         _choice(self, "residual_mode", RESIDUAL_MODES)
         _int(self, "hc_mult", 1, 64)
         _choice(self, "hc_preset", HC_PRESETS)
@@ -280,7 +293,9 @@ class TrainConfig:
     otherwise). ``deepspeed_config``: a DeepSpeed JSON whose keys override our defaults (merged
     key by key). ``offload_optimizer``: ZeRO-Offload of the optimizer state to CPU (CUDA only).
     ``activation_checkpointing``: recompute each decoder block in the backward pass (see
-    :mod:`unicache_train.train.strategies`).
+    :mod:`unicache_train.train.strategies`). ``init_weights``: a ``.safetensors`` file of
+    :class:`~unicache_train.model.Decoder` weights (our names) loaded into the model before
+    training (fine-tuning an imported HF checkpoint; a resumed checkpoint overrides it).
     """
 
     max_steps: int = 200
@@ -306,6 +321,7 @@ class TrainConfig:
     checkpoint_every_n_steps: int = 100
     out_dir: str = "runs/default"
     resume: str | None = None
+    init_weights: str | None = None
     seed: int = 42
     progress_bar: bool = True
 
@@ -331,8 +347,9 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.strategy={self.strategy!r}: expected a strategy name")
         if self.strategy.startswith("deepspeed"):
             _choice(self, "strategy", DEEPSPEED_STRATEGIES)
-        if self.deepspeed_config is not None and (
-            not isinstance(self.deepspeed_config, str) or not self.deepspeed_config.endswith(".json")
+        ds_config = self.deepspeed_config
+        if ds_config is not None and (
+            not isinstance(ds_config, str) or not ds_config.endswith(".json")
         ):
             raise ConfigError(
                 f"TrainConfig.deepspeed_config={self.deepspeed_config!r}: expected None or the "
@@ -341,6 +358,13 @@ class TrainConfig:
         for name in ("offload_optimizer", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"TrainConfig.{name}={getattr(self, name)!r}: expected a bool")
+        if self.init_weights is not None and (
+            not isinstance(self.init_weights, str) or not self.init_weights.endswith(".safetensors")
+        ):
+            raise ConfigError(
+                f"TrainConfig.init_weights={self.init_weights!r}: expected None or the path of "
+                "a .safetensors file of Decoder weights"
+            )
         _int(self, "val_every_n_steps", 1)
         _int(self, "limit_val_batches", 0)
         _int(self, "log_every_n_steps", 1)
@@ -382,15 +406,109 @@ class MonitorConfig:
         _int(self, "compress_every_n_steps", 1)
 
 
+COMPRESS_METHODS = ("unicache", "none")
+
+
+@dataclass
+class CompressionTrainConfig:
+    """KV compression inside the training loop (DESIGN §6 "In-loop semantics").
+
+    When ``enabled``, every training step splits each sample at ``s``: tokens ``[0, s)`` are
+    prefilled, their K/V are compressed at every layer, and tokens ``[s, T)`` attend to the
+    compressed cache (one parallel forward, see :mod:`unicache_train.train.compression`).
+
+    Attributes:
+        enabled: run the in-loop path (off: the plain causal-LM step, unchanged).
+        method: ``"unicache"`` (:class:`~unicache_train.compress.UniCacheCompressor`) or
+            ``"none"`` (the identity compressor: same splits and loss, nothing compressed; the
+            A/B control).
+        preset: UniCache preset the ``unicache`` overrides apply to (see
+            :mod:`unicache_train.compress.presets`).
+        unicache: the UniCache configuration. A mapping (YAML) is deep-merged onto ``preset``;
+            a :class:`UniCacheConfig` is used as is; None is the preset. Always a resolved
+            :class:`UniCacheConfig` after validation (saved in full next to checkpoints).
+        split: ``"data"``: the data's split (``batch["split"]``, e.g. the answer of a recall
+            prompt) where it is >= 0, else a random one; ``"random"``: always random.
+        min_context: smallest random split (context tokens); random splits are drawn uniformly
+            in ``[min_context, L - 1)`` per sample, ``L`` the sample's length without padding,
+            seeded by ``(seed, step)`` so a step is reproducible.
+        seed: seed of the random splits.
+        loss_on: ``"continuation"``: LM loss on the targets from position ``split - 1`` on (the
+            first continuation token is predicted there); ``"all"``: every target.
+        kl_weight: weight of ``KL(uncompressed || compressed)`` on continuation positions (the
+            uncompressed logits come from the same model without gradient; 0 skips that
+            forward).
+        kl_temperature: softmax temperature of both distributions (the term is scaled by
+            ``T^2`` so its gradient does not shrink with the temperature).
+        curriculum_steps: the compressor's ``rate_scale`` rises linearly from 0 to
+            ``unicache.rate_scale`` over this many optimizer steps (0: full rate from the start).
+        val_compressed: also report validation perplexity through the compressed cache
+            (``val/ppl_compressed``, ``compress/ppl_delta``).
+    """
+
+    enabled: bool = False
+    method: str = "unicache"
+    preset: str = "default"
+    unicache: UniCacheConfig | dict[str, Any] | None = None
+    split: str = "data"
+    min_context: int = 16
+    seed: int = 0
+    loss_on: str = "continuation"
+    kl_weight: float = 0.0
+    kl_temperature: float = 1.0
+    curriculum_steps: int = 0
+    val_compressed: bool = True
+
+    def __post_init__(self) -> None:
+        # NOTE: imported here: compress/config.py builds on this module's validators.
+        from unicache_train.compress.config import UniCacheConfig
+        from unicache_train.compress.presets import PRESETS
+
+        for name in ("enabled", "val_compressed"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"CompressionTrainConfig.{name}={getattr(self, name)!r}: expected a bool"
+                )
+        _choice(self, "method", COMPRESS_METHODS)
+        _choice(self, "preset", tuple(PRESETS))
+        _choice(self, "split", ("data", "random"))
+        _int(self, "min_context", 1, 1 << 20)
+        _int(self, "seed", 0)
+        _choice(self, "loss_on", ("continuation", "all"))
+        _range(self, "kl_weight", 0, 1000)
+        _range(self, "kl_temperature", 0, 100, lo_open=True)
+        _int(self, "curriculum_steps", 0)
+        if self.unicache is None or isinstance(self.unicache, dict):
+            base = PRESETS[self.preset]().to_dict()
+            self.unicache = UniCacheConfig.from_dict(_deep_merge(base, self.unicache or {}))
+        elif not isinstance(self.unicache, UniCacheConfig):
+            raise ConfigError(
+                f"CompressionTrainConfig.unicache={self.unicache!r}: expected a mapping or a "
+                "UniCacheConfig"
+            )
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` merged into a copy of ``base``, recursing into nested mappings."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 @dataclass
 class RunConfig:
-    """The whole run: model, data, training, logging and monitoring."""
+    """The whole run: model, data, training, logging, monitoring and in-loop KV compression."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    compress: CompressionTrainConfig = field(default_factory=CompressionTrainConfig)
 
     # ----------------------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict[str, Any]:
@@ -458,6 +576,7 @@ _SUBCONFIGS: dict[tuple[type, str], type] = {
     (RunConfig, "data"): DataConfig,
     (RunConfig, "train"): TrainConfig,
     (RunConfig, "logging"): LoggingConfig,
+    (RunConfig, "compress"): CompressionTrainConfig,
     (RunConfig, "monitor"): MonitorConfig,
     (DataConfig, "synthetic"): SyntheticDataConfig,
 }

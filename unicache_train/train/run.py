@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 
 from unicache_train.config import ConfigError, RunConfig
 from unicache_train.train.module import LMModule
+from unicache_train.train.strategies import parallelize_model
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +104,14 @@ def build_trainer(config: RunConfig, callbacks: list[L.Callback] | None = None) 
         from lightning.pytorch.callbacks import RichProgressBar
 
         cbs.append(RichProgressBar(leave=True))
-    from unicache_train.train.strategies import build_strategy
+    from unicache_train.train.strategies import AtomicCheckpointIO, build_strategy
 
     return L.Trainer(
         accelerator=tc.accelerator,
         devices=tc.devices,
         num_nodes=tc.num_nodes,
         strategy=build_strategy(config),
+        plugins=[AtomicCheckpointIO()],  # last.ckpt is never a half-written file
         precision=tc.precision,
         max_steps=tc.max_steps,
         max_epochs=-1,
@@ -130,13 +132,24 @@ def build_trainer(config: RunConfig, callbacks: list[L.Callback] | None = None) 
 
 def resolve_resume(config: RunConfig) -> str | None:
     """``train.resume``: None (fresh run), ``"auto"`` (the run's ``last.ckpt`` if present) or a
-    checkpoint path (must exist)."""
+    checkpoint path (must exist; a ``.ckpt`` file or a ZeRO checkpoint directory).
+
+    With ``"auto"``, rank 0 first deletes what a killed run left half-written (``*.tmp``), and a
+    ``last.ckpt`` caught between the two renames of a ZeRO directory swap resumes from
+    ``last.ckpt.old`` (see :mod:`unicache_train.checkpoint.zero`).
+    """
+    from unicache_train.checkpoint.zero import find_resume_checkpoint, remove_stale_temporaries
+
     resume = config.train.resume
     if resume is None:
         return None
     if resume == "auto":
-        last = Path(config.train.out_dir) / "checkpoints" / "last.ckpt"
-        return str(last) if last.exists() else None
+        ckpt_dir = Path(config.train.out_dir) / "checkpoints"
+        if int(os.environ.get("RANK", 0)) == 0:
+            for path in remove_stale_temporaries(ckpt_dir):
+                log.warning("removed %s, left half-written by an interrupted run", path)
+        last = find_resume_checkpoint(ckpt_dir)
+        return str(last) if last is not None else None
     if not Path(resume).exists():
         raise ConfigError(f"TrainConfig.resume={resume!r}: no such checkpoint file")
     return resume
@@ -152,6 +165,7 @@ def fit(config: RunConfig, callbacks: list[L.Callback] | None = None) -> L.Train
     ckpt_path = resolve_resume(config)
     datamodule = LMDataModule(config.data)
     module = LMModule(config)
+    parallelize_model(module.model, config)  # recompute (then compile); sharding: the strategy
     trainer = build_trainer(config, callbacks)
     if trainer.is_global_zero:
         config.save(out_dir / "config.yaml")
