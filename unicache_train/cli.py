@@ -8,6 +8,7 @@ Each subcommand is a plain function; its typed signature and docstring make the 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from unicache_train.config import (
     ConfigError,
@@ -18,6 +19,7 @@ from unicache_train.config import (
     RunConfig,
     TrainConfig,
 )
+from unicache_train.train.evaluate import CompressionEvalConfig
 
 
 def fit(
@@ -48,25 +50,83 @@ def evaluate(
     checkpoint: str,
     data: DataConfig | None = None,
     limit_batches: int = 50,
-) -> dict[str, float]:
-    """Evaluate a checkpoint: validation loss and perplexity.
+    compression: CompressionEvalConfig | None = None,
+    logger: str | None = None,
+) -> dict[str, Any]:
+    """Evaluate a checkpoint: validation loss and perplexity; with ``--compression.rates``, also
+    quality under KV compression at each rate (perplexity on continuations, key-value recall
+    decoded on the real compressed cache, attention and output KL, real KV bytes ratio, the
+    DESIGN §6 pass/fail checks), written as a table, a CSV and a PNG under
+    ``--compression.out_dir``.
+
+    Example: ``unicache-train evaluate --checkpoint runs/x/checkpoints/last.ckpt
+    --compression.rates "[0.0,0.3,0.6]" --compression.quantize int8``
 
     Args:
         checkpoint: a ``.ckpt`` written by ``unicache-train fit``.
         data: data to evaluate on (default: the data section saved with the checkpoint).
-        limit_batches: evaluate at most this many validation batches.
+        limit_batches: evaluate at most this many validation batches (plain perplexity).
+        compression: rates and options of the compression evaluation (skipped when not given).
+        logger: also send the ``compress/*`` metrics to a logger: csv, tensorboard or wandb
+            (offline), written under ``--compression.out_dir``.
     """
     from unicache_train.checkpoint import load_checkpoint
     from unicache_train.data.datamodule import LMDataModule
     from unicache_train.train.evaluate import evaluate_perplexity
 
     model, config = load_checkpoint(checkpoint)
-    dm = LMDataModule(data or config.data)
+    data_cfg = data or config.data
+    dm = LMDataModule(data_cfg)
     dm.setup("validate")
     result = evaluate_perplexity(model, dm.val_dataloader(), limit_batches)
     print(f"val loss {result.loss:.4f}  ppl {result.ppl:.3f}  "
           f"({result.tokens} tokens, {result.batches} batches)")
-    return {"loss": result.loss, "ppl": result.ppl}
+    out: dict[str, Any] = {"loss": result.loss, "ppl": result.ppl}
+    if compression is not None:
+        out["compression"] = _evaluate_compression(model, config, data_cfg, dm, compression,
+                                                   logger)
+    return out
+
+
+def _evaluate_compression(model, config: RunConfig, data: DataConfig, dm,
+                          options: CompressionEvalConfig, logger: str | None) -> list[dict]:
+    from unicache_train.compress.presets import preset
+    from unicache_train.train.evaluate import evaluate_compression, format_table, write_outputs
+
+    base = preset(options.preset) if options.preset is not None else config.compress.unicache
+    sink = _eval_logger(logger, options.out_dir, options.name)
+    rows = evaluate_compression(model, dm.tokenizer, data, base, options, logger=sink,
+                                loader=dm.val_dataloader())
+    print(format_table(rows))
+    csv_path, png_path = write_outputs(rows, options.out_dir, options.name)
+    print(f"wrote {csv_path} and {png_path}")
+    return rows
+
+
+def _eval_logger(kind: str | None, out_dir: str, name: str):
+    """A Lightning logger for the evaluation metrics (None: no logger)."""
+    if kind is None or kind == "none":
+        return None
+    if kind == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir=out_dir, name=name)
+    if kind == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(save_dir=out_dir, name=name)
+    if kind == "wandb":
+        import os
+
+        from lightning.pytorch.loggers import WandbLogger
+
+        os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_SILENT", "true")
+        mode = os.environ["WANDB_MODE"]
+        return WandbLogger(project="unicache_train", name=name, save_dir=out_dir,
+                           offline=mode == "offline", mode=mode)
+    raise ConfigError(f"evaluate --logger={kind!r} is not allowed; choose csv, tensorboard, "
+                      "wandb or none")
 
 
 def generate(
@@ -103,18 +163,56 @@ def generate(
     return text
 
 
+def export(
+    checkpoint: str,
+    out: str,
+    format: str = "hf",  # noqa: A002  (the flag's name)
+    family: str = "llama",
+    dtype: str = "fp32",
+    compression_config: bool = True,
+) -> str:
+    """Export a checkpoint for inference stacks (HF transformers, vLLM, SGLang).
+
+    Example: ``unicache-train export --checkpoint runs/x/checkpoints/last.ckpt --format hf
+    --family qwen2 --out exported/ --dtype bf16``
+
+    Args:
+        checkpoint: a ``.ckpt`` (or ZeRO checkpoint directory) written by ``unicache-train fit``.
+        out: output directory (config.json + model.safetensors; tokenizer files when the run
+            used a local HF tokenizer).
+        format: ``hf`` (llama/qwen2/qwen3/mistral; mHC models get the ``unicache_mhc``
+            remote-code format, load with trust_remote_code=True) or ``deepseek_v3`` (MLA).
+        family: HF family for ``--format hf`` plain-residual models.
+        dtype: ``fp32`` or ``bf16`` (mHC connection parameters stay fp32).
+        compression_config: write ``compression_config.json`` when the run trained with KV
+            compression in the loop.
+    """
+    from unicache_train.checkpoint.export import export_checkpoint
+
+    path = export_checkpoint(checkpoint, out, format=format, family=family, dtype=dtype,
+                             with_compression_config=compression_config)
+    print(f"wrote {path}")
+    return str(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``unicache-train`` console script."""
     from jsonargparse import CLI
 
+    from unicache_train.checkpoint.deepseek_v3 import DeepseekV3ExportError
+    from unicache_train.checkpoint.hf import HFCheckpointError
+
     try:
         CLI(
-            {"fit": fit, "pretrain": fit, "evaluate": evaluate, "generate": generate},
+            {"fit": fit, "pretrain": fit, "evaluate": evaluate, "generate": generate,
+             "export": export},
             args=argv,
+            # Required parameters as --options (``evaluate --checkpoint X``, as the README has).
+            as_positional=False,
             description="unicache_train: mHC hyper-connections and compression-aware "
             "KV-cache fine-tuning. Run `unicache-train SUBCOMMAND --help` for details.",
         )
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, HFCheckpointError, DeepseekV3ExportError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 

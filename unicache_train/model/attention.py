@@ -30,6 +30,7 @@ from torch import nn
 from unicache_train.compress.base import CompressionInput, KVCompressor, KVSegment
 from unicache_train.config import ModelConfig
 from unicache_train.model.kv_cache import KVCache
+from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import apply_rope
 
 
@@ -49,6 +50,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(C, Hk * D, bias=bias)
         self.v_proj = nn.Linear(C, Hk * D, bias=bias)
         self.o_proj = nn.Linear(H * D, C, bias=False)
+        # Qwen3: per-head RMSNorm over D on queries and keys, before RoPE (HF names).
+        self.q_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -76,8 +80,12 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_proj(x).view(B, T, Hk, D).transpose(1, 2)  # [B, Hk, T, D]
+        q = self.q_proj(x).view(B, T, H, D)  # [B, T, H, D]
+        k = self.k_proj(x).view(B, T, Hk, D)  # [B, T, Hk, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(1, 2)  # [B, H, T, D]
+        k = k.transpose(1, 2)  # [B, Hk, T, D]
         v = self.v_proj(x).view(B, T, Hk, D).transpose(1, 2)  # [B, Hk, T, D]
         cos, sin = rope
         q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -1,15 +1,88 @@
-"""Evaluation without a Trainer: perplexity of a model on a data split."""
+"""Evaluation without a Trainer: perplexity, and quality under KV compression across rates.
+
+Shape legend: B, H, Hk, T, M, D, V = batch, query heads, KV heads, tokens, segment entries, head
+dim, vocab.
+
+:func:`evaluate_compression` measures, for a model and a list of compression rates (DESIGN §6
+quality checks, §8 targets):
+
+* **perplexity on continuations**, uncompressed and compressed, on the same tokens: each eval
+  sample is split (the data's split, e.g. a recall answer, else a seeded random one, as in
+  training); targets from position ``split - 1`` on count. Compressed = the in-loop forward
+  (prefill, compress, continuation attends to the compressed cache), which equals decoding on
+  the real compressed cache (``tests/test_inloop.py``).
+* **key-value recall accuracy** on freshly generated recall prompts of the bundled task: greedy
+  decoding of the answer **on the real compressed cache** (:func:`generate_compressed`: prefill,
+  compress every layer, decode token by token), scored by exact match (:func:`score_recall`).
+* **attention KL** (``compress/attn_kl``) on the last ``attn_kl_layers`` layers:
+  ``KL(P_compressed || P_full)`` of each continuation query's attention over the original key
+  tokens, mean over queries, heads and layers. ``P_full`` is the uncompressed forward's
+  attention; ``P_compressed`` the compressed forward's, mapped back to tokens: a merged entry's
+  probability is shared equally by the tokens it stands for (what its ``log(count)`` bias
+  means), evicted tokens get 0. This direction is finite under eviction (the other one is
+  infinite as soon as a full query looks at an evicted token) and still charges lost mass ``m``
+  as ``-log(1 - m)``. Computed from hooks on the attention modules (the model is not modified).
+* **output KL** (``compress/output_kl``): ``KL(p_full || p_compressed)`` of the next-token
+  distributions on continuation targets.
+* **KV bytes ratio**: bytes of the real compressed cache (packed int8/int4 + scales + merge
+  counts / head maps) over the uncompressed 16-bit cache of the same prompts, all layers.
+* **quality checks** (DESIGN §6): ``kl_ok`` (attn KL < 0.1), ``ppl_ok`` (perplexity at most +5%),
+  ``acc_ok`` (recall accuracy at most 5 points lower), ``pass`` (all three).
+
+Outputs: :func:`format_table`, :func:`write_outputs` (CSV + PNG plot of perplexity and accuracy
+against the rate) and logger metrics (``compress/ppl_delta``, ``compress/attn_kl``, ...).
+"""
 
 from __future__ import annotations
 
+import csv
 import math
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from unicache_train.compress.base import IdentityCompressor, KVCompressor, KVSegment
+from unicache_train.config import ConfigError, DataConfig, _choice, _int
 from unicache_train.model import Decoder
-from unicache_train.train.module import IGNORE_INDEX
+from unicache_train.train.compression import (
+    IGNORE_INDEX,
+    compression_kl,
+    continuation_mask,
+    masked_nll,
+    sample_splits,
+    step_generator,
+)
+
+__all__ = [
+    "EvalResult",
+    "evaluate_perplexity",
+    "CompressionEvalConfig",
+    "evaluate_compression",
+    "unicache_at_rate",
+    "recall_accuracy",
+    "format_table",
+    "write_outputs",
+    "log_rows",
+    "QUALITY_ATTN_KL_MAX",
+    "QUALITY_PPL_INCREASE_MAX",
+    "QUALITY_ACC_DROP_MAX",
+    "CSV_COLUMNS",
+]
+
+#: DESIGN §6 quality checks.
+QUALITY_ATTN_KL_MAX = 0.1
+QUALITY_PPL_INCREASE_MAX = 0.05
+QUALITY_ACC_DROP_MAX = 0.05
+
+CSV_COLUMNS = (
+    "label", "rate", "bits", "ppl", "ppl_uncompressed", "ppl_delta", "recall_acc",
+    "recall_acc_uncompressed", "recall_acc_delta", "attn_kl", "output_kl", "kv_bytes_ratio",
+    "keep_ratio", "kl_ok", "ppl_ok", "acc_ok", "pass",
+)  # fmt: skip
 
 
 @dataclass
@@ -32,11 +105,541 @@ def evaluate_perplexity(model: Decoder, loader, limit_batches: int | None = None
         ids = batch["input_ids"].to(device)
         labels = batch["labels"].to(device)
         logits = model(ids, modality_ids=batch.get("modality_ids", None)).logits
-        nll += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum").item()
+        nll += F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            labels.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        ).item()
         tokens += int((labels != IGNORE_INDEX).sum())
         batches += 1
     if tokens == 0:
         raise ValueError("evaluation saw no target tokens: is the validation split empty?")
     loss = nll / tokens
     return EvalResult(loss=loss, ppl=math.exp(min(loss, 50.0)), tokens=tokens, batches=batches)
+
+
+# --------------------------------------------------------------------------------- options
+@dataclass
+class CompressionEvalConfig:
+    """What :func:`evaluate_compression` measures (the ``--compression.*`` CLI options).
+
+    Attributes:
+        rates: UniCache target rates to evaluate (fraction of context tokens removed).
+        preset: UniCache preset the rates apply to; None: the checkpoint's ``compress.unicache``
+            (its preset and overrides).
+        quantize: ``"config"`` (as the preset/checkpoint says), ``"none"``, ``"int8"``,
+            ``"int4"``.
+        num_recall: recall prompts decoded per rate (0: skip recall).
+        recall_seed: seed of those prompts (distinct from the training corpus' seed).
+        limit_batches: validation batches for perplexity and KL.
+        batch_size: prompts decoded together.
+        attn_kl_layers: the last layers whose attention KL is measured.
+        split_seed: seed of the random splits of samples without a data split.
+        min_context: smallest random split (as ``CompressionTrainConfig.min_context``).
+        out_dir: where the CSV and the PNG go.
+        name: file stem of the CSV and PNG.
+    """
+
+    rates: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.6])
+    preset: str | None = None
+    quantize: str = "config"
+    num_recall: int = 64
+    recall_seed: int = 9_999
+    limit_batches: int = 8
+    batch_size: int = 16
+    attn_kl_layers: int = 2
+    split_seed: int = 0
+    min_context: int = 16
+    out_dir: str = "eval_compress"
+    name: str = "compression_eval"
+
+    def __post_init__(self) -> None:
+        from unicache_train.compress.config import MAX_RATE
+        from unicache_train.compress.presets import PRESETS
+
+        if not isinstance(self.rates, (list, tuple)) or not self.rates:
+            raise ConfigError(
+                f"CompressionEvalConfig.rates={self.rates!r}: expected a non-empty list of rates"
+            )
+        for r in self.rates:
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= MAX_RATE:
+                raise ConfigError(
+                    f"CompressionEvalConfig.rates: {r!r} is out of range; allowed [0, {MAX_RATE}]"
+                )
+        self.rates = [float(r) for r in self.rates]
+        if self.preset is not None:
+            _choice(self, "preset", tuple(PRESETS))
+        _choice(self, "quantize", ("config", "none", "int8", "int4"))
+        _int(self, "num_recall", 0)
+        _int(self, "recall_seed", 0)
+        _int(self, "limit_batches", 1)
+        _int(self, "batch_size", 1)
+        _int(self, "attn_kl_layers", 1)
+        _int(self, "split_seed", 0)
+        _int(self, "min_context", 1)
+
+
+def unicache_at_rate(base: Any, rate: float, quantize: str = "config") -> Any:
+    """A copy of UniCache config ``base`` at target ``rate`` (full ``rate_scale``), with the
+    quantizer overridden unless ``quantize == "config"``."""
+    from unicache_train.compress.config import UniCacheConfig
+
+    d = base.to_dict()
+    d["target_rate"] = float(rate)
+    d["rate_scale"] = 1.0
+    if quantize != "config":
+        bits = {"none": None, "int8": 8, "int4": 4}[quantize]
+        d["quantize"] = {**d["quantize"], "bits": bits, "enabled": bits is not None}
+    return UniCacheConfig.from_dict(d)
+
+
+# --------------------------------------------------------------------------------- attention KL
+class _AttnCapture:
+    """Forward pre-hooks on the last layers' attention: keep their inputs (normalised hidden
+    states and RoPE tables) so that attention probabilities can be recomputed afterwards."""
+
+    def __init__(self, model: Decoder, num_layers: int) -> None:
+        layers = list(model.layers)[-num_layers:]
+        self.inputs: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.handles = [
+            layer.self_attn.register_forward_pre_hook(self._hook, with_kwargs=True)
+            for layer in layers
+        ]
+
+    def _hook(self, module, args, kwargs) -> None:
+        x = args[0] if args else kwargs["x"]
+        self.inputs[module.layer_idx] = (x.detach(), kwargs["rope"])
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class _SegmentCapture:
+    """Wraps a compressor; keeps each layer's segment."""
+
+    def __init__(self, inner: KVCompressor) -> None:
+        self.inner = inner
+        self.pre_rope = bool(getattr(inner, "pre_rope", False))
+        self.segments: dict[int, KVSegment] = {}
+
+    def __call__(self, inp) -> KVSegment:
+        seg = self.inner(inp)
+        self.segments[inp.layer_idx] = seg
+        return seg
+
+
+def _qk(attn, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_rot [B, H, T, D], k_rot [B, Hk, T, D] as the attention module computes them."""
+    from unicache_train.model.rope import apply_rope
+
+    B, T, _ = x.shape
+    q = attn.q_proj(x).view(B, T, attn.num_heads, attn.head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    cos, sin = rope
+    return apply_rope(q, cos, sin).float(), apply_rope(k, cos, sin).float()
+
+
+def _attn_kl_layer(
+    attn, full_in, comp_in, seg: KVSegment, split: torch.Tensor, query_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed ``KL(P_comp || P_full)`` over masked continuation queries x heads, and the count.
+
+    Args:
+        full_in, comp_in: (x [B, T, C], rope) of the uncompressed / compressed forward.
+        seg: the layer's segment (keys [B, Hk, M, D], counts/valid [B, M], assignment [B, T]).
+        split: [B].
+        query_mask: [B, T] bool, continuation queries that count.
+    """
+    from unicache_train.model.attention import segment_attention_mask
+
+    q_f, k_f = _qk(attn, *full_in)
+    q_c, k_c = _qk(attn, *comp_in)
+    B, H, T, D = q_f.shape
+    rep = H // k_f.shape[1]
+    scale = D**-0.5
+    causal = torch.ones(T, T, dtype=torch.bool, device=q_f.device).tril()
+    logits_f = (q_f @ k_f.repeat_interleave(rep, 1).transpose(-1, -2)) * scale  # [B, H, T, T]
+    p_full = torch.softmax(logits_f.masked_fill(~causal, float("-inf")), -1)
+    keys_c = torch.cat([seg.keys.float(), k_c], 2).repeat_interleave(rep, 1)  # [B, H, M + T, D]
+    mask = segment_attention_mask(seg, split, T, torch.float32)  # [B, 1, T, M + T]
+    p_comp = torch.softmax((q_c @ keys_c.transpose(-1, -2)) * scale + mask, -1)
+    M = seg.keys.shape[2]
+    # Entries back to tokens: a token's share of its entry is 1/count; evicted tokens get 0.
+    assign = seg.assignment
+    if assign is None:  # identity layout: entry m is token m
+        t = torch.arange(T, device=split.device).expand(B, T)
+        assign = torch.where(seg.valid if M == T else t < split[:, None], t, -1)
+    ok = assign >= 0  # [B, T] context token kept or merged
+    idx = assign.clamp_min(0)
+    counts = seg.counts.float().clamp_min(1.0).gather(1, idx)  # [B, T]
+    ent = p_comp[..., :M].gather(-1, idx[:, None, None, :].expand(B, H, T, T))  # [B, H, Tq, Tk]
+    ctx_key = torch.arange(T, device=split.device)[None, :] < split[:, None]  # [B, T] key side
+    tok_ctx = torch.where((ok & ctx_key)[:, None, None, :], ent / counts[:, None, None, :], 0.0)
+    tok_cont = torch.where(ctx_key[:, None, None, :], 0.0, p_comp[..., M:])
+    p_tok = tok_ctx + tok_cont  # [B, H, T, T] compressed attention on original tokens
+    kl = torch.where(
+        p_tok > 0, p_tok * (p_tok.clamp_min(1e-30).log() - p_full.clamp_min(1e-30).log()), 0.0
+    ).sum(-1)
+    qm = query_mask[:, None, :].expand(B, H, T)
+    return kl[qm].sum(), qm.sum()
+
+
+# --------------------------------------------------------------------------------- recall
+@torch.no_grad()
+def recall_accuracy(
+    model: Decoder,
+    tokenizer,
+    records: Sequence[dict[str, Any]],
+    compressor: KVCompressor,
+    batch_size: int = 16,
+) -> tuple[float, float, list[str]]:
+    """Greedy answers decoded on the compressed cache; exact-match accuracy.
+
+    Args:
+        records: dicts with ``prompt`` (ends before the answer) and ``answer``
+            (:func:`unicache_train.data.synthetic.recall_examples`).
+
+    Returns:
+        (accuracy in [0, 1], KV bytes ratio of the compressed prompt caches, predictions).
+    """
+    from unicache_train.compress.inference import generate_compressed
+    from unicache_train.data.synthetic import score_recall
+
+    device = next(model.parameters()).device
+    preds: list[str] = []
+    kv, base = 0, 0
+    hd = model.config.head_size
+    for start in range(0, len(records), batch_size):
+        chunk = records[start : start + batch_size]
+        prompts = [tokenizer.encode(r["prompt"], add_bos=True) for r in chunk]
+        n_new = max(len(tokenizer.encode(r["answer"])) for r in chunk) + 1
+        P = max(len(p) for p in prompts)
+        ids = torch.full((len(chunk), P), tokenizer.pad_token_id, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p)
+        split = torch.tensor([len(p) for p in prompts])
+        gen = generate_compressed(
+            model,
+            ids.to(device),
+            split.to(device),
+            compressor,
+            n_new,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        preds += [tokenizer.decode(row.tolist()) for row in gen.tokens]
+        kv += gen.cache.kv_bytes()
+        base += gen.cache.baseline_bytes(hd)
+    acc = score_recall(preds, [r["answer"] for r in records])
+    return acc, kv / max(base, 1), preds
+
+
+# --------------------------------------------------------------------------------- main loop
+@torch.no_grad()
+def evaluate_compression(
+    model: Decoder,
+    tokenizer,
+    data: DataConfig,
+    base_unicache: Any,
+    options: CompressionEvalConfig | None = None,
+    *,
+    logger: Any | None = None,
+    loader: Iterable[dict[str, torch.Tensor]] | None = None,
+) -> list[dict[str, Any]]:
+    """Quality under compression at each rate (see the module docstring).
+
+    Args:
+        model: the decoder (GQA; set to eval mode here).
+        tokenizer: the data's tokenizer (recall prompts are encoded with it).
+        data: data config of the perplexity batches (validation split) and of the recall task
+            format (``data.synthetic``).
+        base_unicache: the :class:`~unicache_train.compress.UniCacheConfig` the rates apply to.
+        options: what to measure.
+        logger: anything with ``log_metrics(dict, step)`` (a Lightning logger): one step per row.
+        loader: perplexity batches (default: ``LMDataModule(data).val_dataloader()``).
+
+    Returns:
+        One dict per row with :data:`CSV_COLUMNS`: first ``uncompressed``, then one per rate.
+    """
+    from unicache_train.compress import UniCacheCompressor
+
+    opts = options or CompressionEvalConfig()
+    model.eval()
+    device = next(model.parameters()).device
+    cfgs = [unicache_at_rate(base_unicache, r, opts.quantize) for r in opts.rates]
+    comps: list[KVCompressor] = [UniCacheCompressor(c) for c in cfgs]
+    n_layers = min(opts.attn_kl_layers, model.config.num_hidden_layers)
+    gqa = model.config.attention_type != "mla"
+
+    if loader is None:
+        from unicache_train.data.datamodule import LMDataModule
+
+        dm = LMDataModule(data, tokenizer=tokenizer)
+        dm.setup("validate")
+        loader = dm.val_dataloader()
+    R = len(comps)
+    nll_plain = 0.0
+    nll = [0.0] * R
+    out_kl = [0.0] * R
+    attn_kl = [0.0] * R
+    attn_n = [0] * R
+    keep = [0.0] * R
+    tokens = 0
+    n_batches = 0
+    for batch_idx, batch in enumerate(loader):
+        if batch_idx >= opts.limit_batches:
+            break
+        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        mods = batch.get("modality_ids")
+        mods = mods.to(device) if mods is not None else None
+        data_split = batch.get("split")
+        split = sample_splits(
+            labels,
+            data_split.to(device) if data_split is not None else None,
+            min_context=opts.min_context,
+            generator=step_generator(opts.split_seed, batch_idx),
+        )
+        cont = continuation_mask(split, ids.shape[1])
+        target = cont & (labels != IGNORE_INDEX)
+        qmask = (torch.arange(ids.shape[1], device=device)[None] >= split[:, None]) & (
+            labels != IGNORE_INDEX
+        )
+        cap_full = _AttnCapture(model, n_layers) if gqa else None
+        try:
+            plain = model(ids, modality_ids=mods).logits
+        finally:
+            full_inputs = cap_full.inputs if cap_full is not None else {}
+            if cap_full is not None:
+                cap_full.remove()
+        s, n = masked_nll(plain, labels, cont)
+        nll_plain += float(s)
+        tokens += int(n)
+        n_batches += 1
+        for i, comp in enumerate(comps):
+            seg_cap = _SegmentCapture(comp)
+            cap = _AttnCapture(model, n_layers) if gqa else None
+            try:
+                out = model(ids, modality_ids=mods, split=split, compressor=seg_cap)
+            finally:
+                if cap is not None:
+                    cap.remove()
+            nll[i] += float(masked_nll(out.logits, labels, cont)[0])
+            out_kl[i] += float(compression_kl(plain, out.logits, target)) * int(target.sum())
+            keep[i] += float(
+                sum(float(s["keep_ratio"]) for s in out.compression) / max(len(out.compression), 1)
+            )
+            if cap is not None:
+                for layer_idx, comp_in in cap.inputs.items():
+                    attn = model.layers[layer_idx].self_attn
+                    k, c = _attn_kl_layer(
+                        attn,
+                        full_inputs[layer_idx],
+                        comp_in,
+                        seg_cap.segments[layer_idx],
+                        split,
+                        qmask,
+                    )
+                    attn_kl[i] += float(k)
+                    attn_n[i] += int(c)
+    if tokens == 0:
+        raise ValueError("evaluation saw no continuation targets: is the validation split empty?")
+
+    # Recall on the real compressed cache (uncompressed = the identity compressor).
+    records: list[dict[str, Any]] = []
+    if opts.num_recall > 0:
+        from unicache_train.data.synthetic import recall_examples
+
+        sc = data.synthetic
+        records = list(
+            recall_examples(
+                opts.num_recall,
+                opts.recall_seed,
+                sc.recall_num_facts,
+                sc.recall_num_questions,
+                sc.recall_num_filler,
+            )
+        )
+    nan = float("nan")
+    acc_plain = nan
+    if records and gqa:
+        acc_plain, _, _ = recall_accuracy(
+            model, tokenizer, records, IdentityCompressor(), opts.batch_size
+        )
+    ppl_plain = math.exp(min(nll_plain / tokens, 50.0))
+    rows: list[dict[str, Any]] = [
+        _row(
+            "uncompressed",
+            nan,
+            None,
+            ppl_plain,
+            ppl_plain,
+            acc_plain,
+            acc_plain,
+            0.0,
+            0.0,
+            1.0,
+            1.0,
+        )
+    ]
+    for i, (cfg, comp) in enumerate(zip(cfgs, comps)):
+        acc, ratio = nan, nan
+        if records and gqa:
+            acc, ratio, _ = recall_accuracy(model, tokenizer, records, comp, opts.batch_size)
+        bits = cfg.quantize.bits if cfg.quantize.active else None
+        rows.append(
+            _row(
+                f"rate={cfg.target_rate:g}" + (f" int{bits}" if bits else ""),
+                cfg.target_rate,
+                bits,
+                math.exp(min(nll[i] / tokens, 50.0)),
+                ppl_plain,
+                acc,
+                acc_plain,
+                attn_kl[i] / max(attn_n[i], 1) if gqa else nan,
+                out_kl[i] / tokens,
+                ratio,
+                keep[i] / max(n_batches, 1),
+            )
+        )
+    if logger is not None:
+        log_rows(rows, logger)
+    return rows
+
+
+def _row(
+    label: str,
+    rate: float,
+    bits: int | None,
+    ppl: float,
+    ppl_plain: float,
+    acc: float,
+    acc_plain: float,
+    attn_kl: float,
+    output_kl: float,
+    kv_ratio: float,
+    keep_ratio: float,
+) -> dict[str, Any]:
+    ppl_delta = ppl / ppl_plain - 1.0
+    acc_delta = acc - acc_plain
+    kl_ok = bool(attn_kl < QUALITY_ATTN_KL_MAX) if not math.isnan(attn_kl) else False
+    ppl_ok = bool(ppl_delta <= QUALITY_PPL_INCREASE_MAX)
+    acc_ok = bool(acc_delta >= -QUALITY_ACC_DROP_MAX) if not math.isnan(acc_delta) else False
+    return {
+        "label": label, "rate": rate, "bits": bits if bits else "", "ppl": ppl,
+        "ppl_uncompressed": ppl_plain, "ppl_delta": ppl_delta, "recall_acc": acc,
+        "recall_acc_uncompressed": acc_plain, "recall_acc_delta": acc_delta, "attn_kl": attn_kl,
+        "output_kl": output_kl, "kv_bytes_ratio": kv_ratio, "keep_ratio": keep_ratio,
+        "kl_ok": kl_ok, "ppl_ok": ppl_ok, "acc_ok": acc_ok, "pass": kl_ok and ppl_ok and acc_ok,
+    }  # fmt: skip
+
+
+# --------------------------------------------------------------------------------- outputs
+def log_rows(rows: Sequence[dict[str, Any]], logger: Any) -> None:
+    """Rows to a logger under the ``compress/`` names, one logger step per compressed row."""
+    for step, row in enumerate(r for r in rows if r["label"] != "uncompressed"):
+        metrics = {
+            "compress/rate": row["rate"],
+            "compress/ppl": row["ppl"],
+            "compress/ppl_delta": row["ppl_delta"],
+            "compress/recall_acc": row["recall_acc"],
+            "compress/recall_acc_delta": row["recall_acc_delta"],
+            "compress/attn_kl": row["attn_kl"],
+            "compress/output_kl": row["output_kl"],
+            "compress/kv_bytes_ratio": row["kv_bytes_ratio"],
+            "compress/keep_ratio": row["keep_ratio"],
+            "compress/pass": float(row["pass"]),
+        }
+        logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+    if hasattr(logger, "save"):
+        logger.save()
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "PASS" if value else "fail"
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else f"{value:.4g}"
+    return str(value)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """A fixed-width text table of the rows (default columns: the ones a reader compares)."""
+    cols = list(
+        columns
+        or (
+            "label",
+            "ppl",
+            "ppl_delta",
+            "recall_acc",
+            "attn_kl",
+            "output_kl",
+            "keep_ratio",
+            "kv_bytes_ratio",
+            "kl_ok",
+            "ppl_ok",
+            "acc_ok",
+            "pass",
+        )
+    )
+    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(out)
+
+
+def write_outputs(
+    rows: Sequence[dict[str, Any]], out_dir: str | Path, name: str = "compression_eval"
+) -> tuple[Path, Path]:
+    """Write ``<out_dir>/<name>.csv`` (:data:`CSV_COLUMNS`) and ``<name>.png`` (perplexity and
+    recall accuracy against the rate, uncompressed as dashed lines, KV reduction annotated)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, png_path = out / f"{name}.csv", out / f"{name}.png"
+    with csv_path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(r)
+    _plot(rows, png_path)
+    return csv_path, png_path
+
+
+def _plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # NOTE: before pyplot is imported; no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    comp = [r for r in rows if r["label"] != "uncompressed"]
+    base = next((r for r in rows if r["label"] == "uncompressed"), None)
+    x = [r["rate"] for r in comp]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in (
+        (axes[0], "ppl", "perplexity on continuations"),
+        (axes[1], "recall_acc", "key-value recall accuracy"),
+    ):
+        ax.plot(x, [r[key] for r in comp], "o-", label="compressed")
+        if base is not None and not math.isnan(base[key]):
+            ax.axhline(base[key], ls="--", color="gray", label="uncompressed")
+        for r in comp:
+            ratio = r["kv_bytes_ratio"]
+            if not math.isnan(r[key]) and not math.isnan(ratio) and ratio > 0:
+                ax.annotate(
+                    f"{1 / ratio:.1f}x",
+                    (r["rate"], r[key]),
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                    ha="center",
+                    fontsize=8,
+                )
+        ax.set_xlabel("UniCache target rate (fraction of context tokens removed)")
+        ax.set_title(title)
+        ax.legend()
+    axes[1].set_ylim(-0.02, 1.02)
+    fig.suptitle("quality under KV compression (annotations: KV bytes reduction)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

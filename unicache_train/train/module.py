@@ -1,4 +1,6 @@
-"""The LightningModule: causal-LM training of a :class:`~unicache_train.model.Decoder`."""
+"""The LightningModule: causal-LM training of a :class:`~unicache_train.model.Decoder`, with
+optional KV compression in the loop (``RunConfig.compress``, see
+:mod:`unicache_train.train.compression`)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,19 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from unicache_train.config import RunConfig
 from unicache_train.model import Decoder
-
-IGNORE_INDEX = -100
+from unicache_train.train.compression import (
+    IGNORE_INDEX,
+    build_compressor,
+    compression_kl,
+    continuation_mask,
+    curriculum_scale,
+    layer_mean_stats,
+    masked_lm_loss,
+    masked_nll,
+    sample_splits,
+    set_rate_scale,
+    step_generator,
+)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -23,7 +36,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits: [B, T, V].
         labels: [B, T] next-token targets (already shifted), ``-100`` = ignore.
     """
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX
+    )
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -37,8 +52,20 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
 class LMModule(L.LightningModule):
     """Trains the decoder with AdamW, warmup + cosine LR and validation perplexity.
 
+    With ``config.compress.enabled`` each training step runs the in-loop compression forward
+    (DESIGN §6): per-sample splits, context K/V compressed at every layer, loss on the
+    continuation (+ optional KL to the uncompressed forward of the same model), the rate
+    curriculum applied through ``compressor.set_rate_scale``. Logged: ``train/loss``,
+    ``train/lm_loss``, ``train/kl`` (when ``kl_weight > 0``), ``compress/rate_scale`` and the
+    compressor's stats averaged over layers (``compress/kv_bytes_ratio``,
+    ``compress/keep_ratio/<modality>``, ...). Validation reports ``val/loss`` and ``val/ppl`` on
+    every target (as without compression) and, on continuation targets, ``val/ppl_continuation``
+    (uncompressed), ``val/ppl_compressed`` (at the full rate) and ``compress/ppl_delta``
+    (relative increase, 0.03 = +3%).
+
     The resolved :class:`RunConfig` is stored in the checkpoint's hyper-parameters (``config``),
-    so a checkpoint alone rebuilds the model (see :func:`unicache_train.checkpoint.load_checkpoint`).
+    so a checkpoint alone rebuilds the model (see
+    :func:`unicache_train.checkpoint.load_checkpoint`).
     """
 
     def __init__(self, config: RunConfig | dict[str, Any]) -> None:
@@ -48,38 +75,156 @@ class LMModule(L.LightningModule):
         self.config = config
         self.save_hyperparameters({"config": config.to_dict()})
         self.model = Decoder(config.model)
+        if config.train.init_weights is not None:
+            self._load_init_weights(config.train.init_weights)
+        # Not a module: the compressor has no parameters and must not enter the state dict.
+        self.compressor = build_compressor(config.compress) if config.compress.enabled else None
+
+    def _load_init_weights(self, path: str) -> None:
+        """Start from ``TrainConfig.init_weights`` (e.g. an imported HF checkpoint), strictly."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"TrainConfig.init_weights={path!r}: no such file")
+        state = load_file(path)
+        if self.config.model.tie_word_embeddings and "embed_tokens.weight" in state:
+            state.setdefault("lm_head.weight", state["embed_tokens.weight"])
+        self.model.load_state_dict(state, strict=True)
 
     # ---------------------------------------------------------------------------- steps
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(batch["input_ids"], modality_ids=batch.get("modality_ids")).logits
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.compressor is not None:
+            return self._compressed_training_step(batch, batch_idx)
         loss = causal_lm_loss(self(batch), batch["labels"])
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
+
+    def compressed_loss(
+        self, batch: dict[str, torch.Tensor], step: int, micro: int = 0
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """The in-loop objective of one batch at optimizer step ``step``.
+
+        Returns:
+            (loss [], scalars to log, the per-layer compressor stats).
+        """
+        cc = self.config.compress
+        assert self.compressor is not None
+        ids, labels = batch["input_ids"], batch["labels"]  # [B, T]
+        T = ids.shape[1]
+        scale = curriculum_scale(step, cc.curriculum_steps, cc.unicache.rate_scale)
+        set_rate_scale(self.compressor, scale)
+        gen = step_generator(cc.seed, step, self.global_rank, micro)
+        split = sample_splits(
+            labels, batch.get("split"), mode=cc.split, min_context=cc.min_context, generator=gen
+        )  # [B]
+        out = self.model(
+            ids, modality_ids=batch.get("modality_ids"), split=split, compressor=self.compressor
+        )
+        cont = continuation_mask(split, T)  # [B, T]
+        lm = masked_lm_loss(out.logits, labels, cont if cc.loss_on == "continuation" else None)
+        logs = {"train/lm_loss": lm.detach(), "compress/rate_scale": torch.tensor(scale)}
+        loss = lm
+        if cc.kl_weight > 0:
+            # NOTE: the same weights without gradient, not a frozen copy: the target moves with
+            # the model, as self-distillation to the uncompressed forward intends.
+            with torch.no_grad():
+                ref = self.model(ids, modality_ids=batch.get("modality_ids")).logits
+            kl = compression_kl(ref, out.logits, cont & (labels != IGNORE_INDEX), cc.kl_temperature)
+            loss = loss + cc.kl_weight * kl
+            logs["train/kl"] = kl.detach()
+        logs.update(layer_mean_stats(out.compression))
+        return loss, logs, out.compression
+
+    def _compressed_training_step(
+        self, batch: dict[str, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
+        micro = batch_idx % self.config.train.accumulate_grad_batches
+        loss, logs, per_layer = self.compressed_loss(batch, self.global_step, micro)
+        bs = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=bs)
+        self.log_dict(logs, batch_size=bs)
+        self._record_layer_curves(per_layer)
+        return loss
+
+    def _record_layer_curves(self, per_layer: list[dict[str, torch.Tensor]]) -> None:
+        """Per-layer curves (``compress/kv_bytes_ratio/layer_03``) go to the monitor's sink when
+        the trainer has one; the layer means are logged by :meth:`log_dict` already."""
+        if self._trainer is None or not per_layer:
+            return
+        from unicache_train.monitor import CompressionQualityMonitor
+        from unicache_train.monitor.callbacks import find_callback
+        from unicache_train.monitor.metrics import compression_metrics
+
+        sink = find_callback(self.trainer, CompressionQualityMonitor)
+        if sink is not None:
+            curves = compression_metrics(per_layer)
+            sink.record({k: v for k, v in curves.items() if "/layer_" in k})
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         logits = self(batch)
         labels = batch["labels"]
         tokens = (labels != IGNORE_INDEX).sum()
-        nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                              ignore_index=IGNORE_INDEX, reduction="sum")
+        nll = F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            labels.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
         # Token-weighted mean across batches and ranks (not a mean of batch means).
         self._val_nll += nll.detach()
         self._val_tokens += tokens
+        if self.compressor is not None and self.config.compress.val_compressed:
+            self._validate_compressed(batch, batch_idx, logits)
+
+    def _validate_compressed(
+        self, batch: dict[str, torch.Tensor], batch_idx: int, logits: torch.Tensor
+    ) -> None:
+        """Continuation NLL without and with compression (full rate), on the same splits."""
+        cc = self.config.compress
+        assert self.compressor is not None
+        labels = batch["labels"]
+        # Fixed per validation batch (not per step), so successive validations compare.
+        gen = step_generator(cc.seed + 1, batch_idx, self.global_rank)
+        split = sample_splits(
+            labels, batch.get("split"), mode=cc.split, min_context=cc.min_context, generator=gen
+        )
+        cont = continuation_mask(split, labels.shape[1])
+        set_rate_scale(self.compressor, cc.unicache.rate_scale)
+        comp = self.model(
+            batch["input_ids"],
+            modality_ids=batch.get("modality_ids"),
+            split=split,
+            compressor=self.compressor,
+        ).logits
+        nll_plain, n = masked_nll(logits, labels, cont)
+        nll_comp, _ = masked_nll(comp, labels, cont)
+        self._val_cont += torch.stack([nll_plain.detach(), nll_comp.detach(), n.float()])
 
     def on_validation_epoch_start(self) -> None:
         self._val_nll = torch.zeros((), device=self.device)
         self._val_tokens = torch.zeros((), device=self.device, dtype=torch.long)
+        self._val_cont = torch.zeros(3, device=self.device)  # nll plain, nll compressed, tokens
 
     def on_validation_epoch_end(self) -> None:
-        nll, tokens = self._val_nll, self._val_tokens.float()
+        nll, tokens, cont = self._val_nll, self._val_tokens.float(), self._val_cont
         if self.trainer.world_size > 1:
             nll = self.trainer.strategy.reduce(nll, reduce_op="sum")
             tokens = self.trainer.strategy.reduce(tokens, reduce_op="sum")
+            cont = self.trainer.strategy.reduce(cont, reduce_op="sum")
         loss = nll / tokens.clamp_min(1)
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(loss.clamp_max(30)), sync_dist=False)
+        if self.compressor is not None and self.config.compress.val_compressed and cont[2] > 0:
+            ppl_plain = torch.exp((cont[0] / cont[2]).clamp_max(30))
+            ppl_comp = torch.exp((cont[1] / cont[2]).clamp_max(30))
+            self.log("val/ppl_continuation", ppl_plain, sync_dist=False)
+            self.log("val/ppl_compressed", ppl_comp, prog_bar=True, sync_dist=False)
+            self.log("compress/ppl_delta", ppl_comp / ppl_plain - 1.0, sync_dist=False)
 
     # ---------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -1,0 +1,346 @@
+"""KV compression in the training loop: the in-loop forward equals prefill -> compress -> decode
+on a real compressed cache, the loss, gradients, KL, curriculum, splits, config, and a tiny fit."""
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+from unicache_train.compress import IdentityCompressor, UniCacheCompressor, UniCacheConfig
+from unicache_train.compress.inference import decode_teacher_forced, generate_compressed
+from unicache_train.compress.presets import text_style_baseline
+from unicache_train.config import (
+    CompressionTrainConfig,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    MonitorConfig,
+    RunConfig,
+    SyntheticDataConfig,
+    TrainConfig,
+)
+from unicache_train.model import Decoder
+from unicache_train.train.compression import (
+    compression_kl,
+    continuation_mask,
+    curriculum_scale,
+    sample_splits,
+    step_generator,
+)
+from unicache_train.train.module import LMModule, causal_lm_loss
+
+
+def tiny_model_config(**kw) -> ModelConfig:
+    base = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def unicache(
+    rate: float = 0.6, bits: int | None = None, granularity: str = "token_head"
+) -> UniCacheConfig:
+    """Text-only data: the text-style preset removes ``rate`` of the context (no text cap)."""
+    d = text_style_baseline().to_dict()
+    d["target_rate"] = rate
+    d["quantize"].update(bits=bits, granularity=granularity)
+    return UniCacheConfig.from_dict(d)
+
+
+def twin_kv_heads(model: Decoder) -> None:
+    """KV head 1 := KV head 0 (keys up to a tiny perturbation) in every layer: heads merge."""
+    D = model.config.head_size
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.layers:
+            a = layer.self_attn
+            noise = 1e-3 * torch.randn(a.k_proj.weight[:D].shape, generator=g)
+            a.k_proj.weight[D : 2 * D] = a.k_proj.weight[:D] + noise
+            a.v_proj.weight[D : 2 * D] = a.v_proj.weight[:D]
+
+
+# ------------------------------------------------------------------ in-loop == step by step
+CASES = {
+    "identity": (lambda: IdentityCompressor(), False),
+    "unicache_0.6": (lambda: UniCacheCompressor(unicache(0.6)), False),
+    "unicache_0.6_int8": (lambda: UniCacheCompressor(unicache(0.6, 8)), False),
+    "unicache_0.6_int4_head_scale": (
+        lambda: UniCacheCompressor(unicache(0.6, 4, granularity="head")),
+        False,
+    ),
+    "unicache_0.6_int8_head_merge": (lambda: UniCacheCompressor(unicache(0.6, 8)), True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_inloop_forward_equals_prefill_compress_decode(case: str) -> None:
+    make, twins = CASES[case]
+    torch.manual_seed(0)
+    model = Decoder(tiny_model_config()).eval()
+    if twins:
+        twin_kv_heads(model)
+    ids = torch.randint(0, 97, (2, 44))
+    split = torch.tensor([29, 18])  # ragged: each sample decodes from its own split
+    comp = make()
+    with torch.no_grad():
+        ref = model(ids, split=split, compressor=comp)
+    got, cache = decode_teacher_forced(model, ids, split, comp)
+    cont = continuation_mask(split, ids.shape[1])  # positions split-1 .. T-1
+    assert torch.isnan(got[~cont]).all() and not torch.isnan(got[cont]).any()
+    # fp32, the same math over a different key layout (padding slots, SDPA blocking): ~4e-7 seen.
+    torch.testing.assert_close(got[cont], ref.logits[cont], atol=1e-5, rtol=1e-5)
+    if case == "identity":
+        return
+    # The cache holds what the compressor accounted for: packed bytes + scales, one copy per
+    # head group; the rate is real.
+    stat_bytes = sum(float(s["kv_bytes"]) for s in ref.compression)
+    assert cache.kv_bytes(include_metadata=False) == int(stat_bytes)
+    keep = [float(s["keep_ratio"]) for s in ref.compression]
+    assert sum(keep) / len(keep) < 0.45 and keep[0] < keep[-1]  # cosine curve: shallow loses more
+    ratio = cache.kv_bytes() / cache.baseline_bytes(model.config.head_size)
+    assert ratio < {"unicache_0.6": 0.45, "unicache_0.6_int8": 0.25}.get(case, 0.2)
+    if twins:
+        assert all(float(s["heads_merged"]) == 1.0 for s in ref.compression)
+        assert all(seg.quant.k_data.shape[1] == 1 for seg in cache.segments)  # stored once
+    if "int" in case:
+        assert all(seg.quant is not None and seg.keys is None for seg in cache.segments)
+
+
+def test_greedy_generation_on_compressed_cache_matches_inloop_argmax() -> None:
+    torch.manual_seed(0)
+    model = Decoder(tiny_model_config()).eval()
+    prompts = torch.randint(0, 97, (2, 30))
+    split = torch.tensor([30, 22])
+    comp = UniCacheCompressor(unicache(0.6, 8))
+    gen = generate_compressed(model, prompts, split, comp, max_new_tokens=6).tokens  # [2, 6]
+    for b in range(2):
+        s = int(split[b])
+        seq = torch.cat([prompts[b, :s], gen[b]])[None]
+        with torch.no_grad():
+            logits = model(seq, split=split[b : b + 1], compressor=comp).logits
+        assert torch.equal(logits[0, s - 1 : -1].argmax(-1), gen[b])
+
+
+# ------------------------------------------------------------------ the training objective
+def module(**compress) -> LMModule:
+    cfg = RunConfig(
+        model=tiny_model_config(num_hidden_layers=2),
+        compress=CompressionTrainConfig(enabled=True, **compress),
+    )
+    torch.manual_seed(0)
+    return LMModule(cfg)
+
+
+def batch(B: int = 3, T: int = 40, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 97, (B, T + 1), generator=g)
+    labels = ids[:, 1:].clone()
+    labels[0, -5:] = -100  # right padding of a short record
+    return {
+        "input_ids": ids[:, :-1],
+        "labels": labels,
+        "modality_ids": torch.zeros(B, T, dtype=torch.long),
+        "split": torch.tensor([12, -1, 25])[:B],
+    }
+
+
+def test_rate_zero_and_identity_loss_equal_plain_loss() -> None:
+    b = batch()
+    for kw in ({"method": "none"}, {"unicache": {"rate_scale": 0.0, "quantize": {"bits": None}}}):
+        m = module(loss_on="all", **kw)
+        plain = causal_lm_loss(m(b), b["labels"])
+        loss, logs, _ = m.compressed_loss(b, step=0)
+        torch.testing.assert_close(loss, plain, atol=1e-6, rtol=1e-6)
+    # Continuation loss = the plain loss restricted to targets from split - 1 on.
+    m = module(method="none")
+    loss, _, _ = m.compressed_loss(b, step=0)
+    split = sample_splits(b["labels"], b["split"], generator=step_generator(0, 0))
+    masked = b["labels"].masked_fill(~continuation_mask(split, 40), -100)
+    torch.testing.assert_close(loss, causal_lm_loss(m(b), masked), atol=1e-6, rtol=1e-6)
+
+
+def test_gradients_flow_through_compression_to_every_layer() -> None:
+    m = module(unicache=unicache(0.6, 8).to_dict(), kl_weight=0.5)
+    loss, logs, per_layer = m.compressed_loss(batch(), step=0)
+    keep = [float(s["keep_ratio"]) for s in per_layer]
+    assert sum(keep) / len(keep) < 0.5  # compression really ran
+    loss.backward()
+    for i, layer in enumerate(m.model.layers):
+        for name in ("k_proj", "v_proj"):
+            g = getattr(layer.self_attn, name).weight.grad
+            assert g is not None and torch.isfinite(g).all(), (i, name)
+            assert float(g.abs().sum()) > 0, (i, name)
+
+
+def test_kl_term_zero_at_rate_zero_positive_at_rate() -> None:
+    b = batch()
+    m0 = module(kl_weight=1.0, unicache={"rate_scale": 0.0, "quantize": {"bits": None}})
+    _, logs0, _ = m0.compressed_loss(b, step=0)
+    assert float(logs0["train/kl"]) == pytest.approx(0.0, abs=1e-7)
+    m6 = module(kl_weight=1.0, unicache=unicache(0.6).to_dict())
+    loss6, logs6, _ = m6.compressed_loss(b, step=0)
+    assert float(logs6["train/kl"]) > 1e-4
+    assert float(loss6) == pytest.approx(
+        float(logs6["train/lm_loss"] + logs6["train/kl"]), rel=1e-5
+    )
+    # Temperature scaling keeps the term's size comparable (tau^2 factor).
+    x = torch.randn(2, 5, 11)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    assert float(compression_kl(x, x, mask, 2.0)) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_curriculum_moves_rate_scale() -> None:
+    m = module(
+        curriculum_steps=10,
+        unicache={"quantize": {"bits": None}, "target_rate": 0.6, "budget": {"enabled": False}},
+    )
+    b = batch()
+    seen = []
+    for step in (0, 5, 10, 50):
+        _, logs, per_layer = m.compressed_loss(b, step=step)
+        seen.append(
+            (
+                float(logs["compress/rate_scale"]),
+                m.compressor.rate_scale,
+                sum(float(s["keep_ratio"]) for s in per_layer) / len(per_layer),
+            )
+        )
+    assert [s[0] for s in seen] == [0.0, 0.5, 1.0, 1.0]
+    assert [s[1] for s in seen] == [0.0, 0.5, 1.0, 1.0]
+    assert seen[0][2] == 1.0 and seen[1][2] < 1.0 and seen[2][2] < seen[1][2]
+    assert m.config.compress.unicache.rate_scale == 1.0  # the run config is never edited
+    assert curriculum_scale(3, 0) == 1.0 and curriculum_scale(3, 6, 0.5) == 0.25
+
+
+def test_sample_splits_data_random_padding_and_determinism() -> None:
+    b = batch(B=3, T=40)
+    s1 = sample_splits(b["labels"], b["split"], min_context=8, generator=step_generator(0, 7))
+    s2 = sample_splits(b["labels"], b["split"], min_context=8, generator=step_generator(0, 7))
+    assert torch.equal(s1, s2)
+    assert int(s1[0]) == 12 and int(s1[2]) == 25  # the data's splits
+    assert 8 <= int(s1[1]) < 39
+    rnd = torch.stack(
+        [
+            sample_splits(
+                b["labels"],
+                b["split"],
+                mode="random",
+                min_context=8,
+                generator=step_generator(0, k),
+            )
+            for k in range(40)
+        ]
+    )
+    assert int(rnd[:, 0].max()) < 35 - 1  # sample 0 has 35 real tokens: never split in padding
+    assert int(rnd.min()) >= 8 and len(set(rnd[:, 1].tolist())) > 5
+    short = torch.full((1, 40), -100)
+    short[0, :3] = 1  # a 3-token record: still one context and one continuation token
+    assert 1 <= int(sample_splits(short, None, min_context=16)) <= 2
+
+
+# ------------------------------------------------------------------ config
+@pytest.mark.parametrize("field,value", [
+    ("method", "xkv"), ("split", "middle"), ("loss_on", "prompt"), ("min_context", 0),
+    ("kl_weight", -1.0), ("kl_temperature", 0.0), ("curriculum_steps", -5),
+    ("preset", "nope"), ("enabled", "yes"), ("unicache", {"target_rate": 2.0}),
+    ("unicache", {"quantize": {"bits": 3}}), ("unicache", {"no_such_step": {}}), ("unicache", 0.6),
+])  # fmt: skip
+def test_bad_compress_values_raise(field: str, value) -> None:
+    with pytest.raises(ConfigError, match=field if field != "unicache" else ""):
+        RunConfig.from_dict({"compress": {field: value}})
+
+
+def test_compress_config_round_trips_and_merges_onto_preset() -> None:
+    cfg = RunConfig.from_dict(
+        {
+            "compress": {
+                "enabled": True,
+                "preset": "text_style_baseline",
+                "unicache": {"target_rate": 0.5, "quantize": {"bits": 4}},
+            }
+        }
+    )
+    uc = cfg.compress.unicache
+    assert (uc.target_rate, uc.quantize.bits, uc.budget.enabled) == (0.5, 4, False)
+    assert uc.quantize.granularity == "token_head"  # untouched fields keep the preset's value
+    assert RunConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+    assert RunConfig().compress.enabled is False  # the plain path stays the default
+
+
+# ------------------------------------------------------------------ a tiny fit
+def test_tiny_fit_with_compression_logs_metrics(tmp_path: Path) -> None:
+    from unicache_train.train.run import fit
+
+    cfg = RunConfig(
+        model=ModelConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+        data=DataConfig(
+            seq_len=96,
+            batch_size=4,
+            pack=False,
+            synthetic=SyntheticDataConfig(
+                num_stories=12, num_recall=12, recall_num_facts=3, recall_num_filler=0
+            ),
+            val_fraction=0.2,
+        ),
+        train=TrainConfig(
+            max_steps=4,
+            warmup_steps=1,
+            val_every_n_steps=4,
+            limit_val_batches=1,
+            checkpoint_every_n_steps=4,
+            accelerator="cpu",
+            devices=1,
+            out_dir=str(tmp_path),
+            progress_bar=False,
+            log_every_n_steps=1,
+        ),
+        logging=LoggingConfig(logger="csv"),
+        monitor=MonitorConfig(gain=False, compress_every_n_steps=1),
+        compress=CompressionTrainConfig(
+            enabled=True,
+            preset="text_style_baseline",
+            unicache={"target_rate": 0.6},
+            curriculum_steps=2,
+            kl_weight=0.1,
+        ),
+    )
+    trainer = fit(cfg)
+    assert trainer.global_step == 4
+    rows = []
+    for f in tmp_path.glob("csv/version_*/metrics.csv"):
+        with f.open() as fh:
+            rows += list(csv.DictReader(fh))
+    cols = {k for r in rows for k, v in r.items() if v not in (None, "")}
+    for name in (
+        "train/loss",
+        "train/lm_loss",
+        "train/kl",
+        "compress/kv_bytes_ratio",
+        "compress/keep_ratio/text",
+        "compress/rate_scale",
+        "val/ppl",
+        "val/ppl_compressed",
+        "compress/ppl_delta",
+        "compress/kv_bytes_ratio/layer_01",
+    ):
+        assert name in cols, name
+    ratios = [float(r["compress/kv_bytes_ratio"]) for r in rows if r.get("compress/kv_bytes_ratio")]
+    assert min(ratios) < 0.5  # int8 + 60% of the context removed once the curriculum is done
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    saved = ckpt["hyper_parameters"]["config"]["compress"]
+    assert saved["enabled"] and saved["unicache"]["target_rate"] == 0.6
+    assert not any(k.startswith("compressor") for k in ckpt["state_dict"])

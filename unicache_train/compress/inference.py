@@ -1,0 +1,450 @@
+"""Decoding on a real compressed KV cache: prefill, compress every layer, decode token by token.
+
+Shape legend: B, Hk, G, M, S, T, D, V = batch, KV heads, stored head groups, segment entries,
+decoded tokens, new tokens of a call, head dim, vocab.
+
+::
+
+    prompt [B, P] ─► prefill (every prompt token is context: full causal attention)
+                        └─ each layer, at the seam: context K/V ─► compressor ─► KVSegment
+                                                                                   │
+    CompressedKVCache, per layer:  stored segment (packed int8/int4 + scales when quantized,
+                                   one copy per head group, counts, valid)  +  decoded K/V [S]
+                                                                                   │
+    decode step: new token ─► q,k,v ─► attends [dequantized segment (+log count) ; decoded K/V]
+
+This is what the in-loop training forward computes in parallel (DESIGN §6): for a sample
+split at ``s``, the logits of positions ``s - 1 .. T - 1`` of ``model(ids, split=s,
+compressor=c)`` equal :func:`decode_teacher_forced`'s (tested to 1e-5 in fp32, also with int8,
+because the packed storage dequantizes to exactly the values the seam attended).
+
+The prefill goes through the model's compression seam with every prompt token as context, so the
+compressor receives exactly the :class:`~unicache_train.compress.base.CompressionInput` it gets in
+training (queries for its observation window included). Ragged prompts of a batch are right
+padded to the longest; padding lies after each sample's split, so causal attention and the
+compressor (which only reads context tokens) never see it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from unicache_train.compress.base import CompressionInput, KVCompressor, KVSegment, QuantizedKV
+from unicache_train.compress.quantize import dequantize
+from unicache_train.model.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from unicache_train.model import Decoder
+
+__all__ = [
+    "CompressedKVCache",
+    "StoredSegment",
+    "CompressedGeneration",
+    "prefill_compressed",
+    "decode_teacher_forced",
+    "generate_compressed",
+]
+
+
+# --------------------------------------------------------------------------------- storage
+@dataclass
+class StoredSegment:
+    """One layer's compressed context as a cache would hold it.
+
+    Attributes:
+        head_map: [B, Hk] long, slot in ``G`` of each KV head (head-merged groups share one).
+        groups: [B] long, stored head groups per sample.
+        quant: packed K/V ``[B, G, M, ...]`` with their scales, or None.
+        keys, values: [B, G, M, D] floating K/V when the segment was not quantized, else None.
+        counts: [B, M] float, original tokens per entry (attention adds ``log(count)``).
+        valid: [B, M] bool.
+        context_tokens: [B] long, context length before compression (the byte baseline).
+    """
+
+    head_map: torch.Tensor
+    groups: torch.Tensor
+    quant: QuantizedKV | None
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    counts: torch.Tensor
+    valid: torch.Tensor
+    context_tokens: torch.Tensor
+
+    @classmethod
+    def from_segment(cls, seg: KVSegment, context_tokens: torch.Tensor) -> StoredSegment:
+        """Keep one copy per head group (plus a head -> slot map); packed storage as is."""
+        B, Hk = seg.keys.shape[:2]
+        if seg.head_groups is None:
+            head_map = torch.arange(Hk, device=seg.keys.device).expand(B, Hk)
+            order = head_map
+            groups = torch.full((B,), Hk, dtype=torch.long, device=seg.keys.device)
+        else:
+            rep = seg.head_groups == torch.arange(Hk, device=seg.keys.device)  # [B, Hk] stored
+            groups = rep.sum(1)
+            # Stored heads first, in head order (stable sort), then the members (unused slots).
+            order = torch.sort((~rep).long(), dim=1, stable=True).indices  # [B, Hk]
+            slot_of = torch.cumsum(rep.long(), 1) - 1  # [B, Hk] slot of a stored head
+            head_map = slot_of.gather(1, seg.head_groups)  # [B, Hk]
+        G = int(groups.max()) if B else Hk
+        idx = order[:, :G]  # [B, G] head stored in each slot
+
+        def take(x: torch.Tensor) -> torch.Tensor:  # [B, Hk, ...] -> [B, G, ...]
+            shape = (B, G, *x.shape[2:])
+            return x.gather(1, idx.reshape(B, G, *([1] * (x.dim() - 2))).expand(shape))
+
+        quant = keys = values = None
+        if seg.quant is not None:
+            q = seg.quant
+            quant = QuantizedKV(
+                q.bits,
+                q.granularity,
+                take(q.k_data),
+                take(q.v_data),
+                take(q.k_scale),
+                take(q.v_scale),
+                q.head_dim,
+                q.value_dim,
+            )
+        else:
+            keys, values = take(seg.keys.detach()), take(seg.values.detach())
+        return cls(
+            head_map=head_map.contiguous(),
+            groups=groups,
+            quant=quant,
+            keys=keys,
+            values=values,
+            counts=seg.counts.detach(),
+            valid=seg.valid,
+            context_tokens=context_tokens,
+        )
+
+    def kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention view: keys, values [B, Hk, M, D] (dequantized on the fly)."""
+        if self.quant is not None:
+            k, v = dequantize(self.quant)  # [B, G, M, D] float32
+        else:
+            assert self.keys is not None and self.values is not None
+            k, v = self.keys, self.values
+        B, Hk = self.head_map.shape
+
+        def spread(x: torch.Tensor) -> torch.Tensor:  # [B, G, M, D] -> [B, Hk, M, D]
+            idx = self.head_map[:, :, None, None].expand(B, Hk, *x.shape[2:])
+            return x.gather(1, idx).to(dtype)
+
+        return spread(k), spread(v)
+
+    def payload_bytes(self, cache_dtype_bytes: int = 2) -> int:
+        """K/V bytes: valid entries x stored heads x (payload + scales), for K and for V.
+
+        Floating segments count ``cache_dtype_bytes`` per element (the deployed cache dtype, not
+        the fp32 of a CPU run), as the compressor's own ``kv_bytes`` stat does.
+        """
+        n = self.valid.sum(1).double()  # [B]
+        g = self.groups.double()
+        q = self.quant
+        if q is None:
+            assert self.keys is not None and self.values is not None
+            width = self.keys.shape[-1] + self.values.shape[-1]
+            return int((g * n).sum().item() * width * cache_dtype_bytes)
+        total = torch.zeros_like(n)
+        for data, scale in ((q.k_data, q.k_scale), (q.v_data, q.v_scale)):
+            payload = data.shape[-1] * data.element_size()
+            if q.granularity == "token_head":
+                total += g * n * (payload + scale.element_size())
+            else:
+                total += g * n * payload + g * scale.element_size() * (n > 0)
+        return int(total.sum().item())
+
+    def metadata_bytes(self) -> int:
+        """What a cache stores beside K/V, only when compression made it necessary: per-entry
+        merge counts (fp16, exact up to 2048) once any entry stands for several tokens, and the
+        head -> slot map (one byte per KV head) once heads were merged."""
+        merged_tokens = bool((self.valid & (self.counts > 1)).any())
+        merged_heads = bool((self.groups < self.head_map.shape[1]).any())
+        counts = 2 * int(self.valid.sum()) if merged_tokens else 0
+        return counts + (self.head_map.numel() if merged_heads else 0)
+
+    def baseline_bytes(self, head_dim: int, value_dim: int, cache_dtype_bytes: int = 2) -> int:
+        """The uncompressed 16-bit cache of the same context: ``L * Hk * (D_k + D_v) * bytes``."""
+        Hk = self.head_map.shape[1]
+        return int(self.context_tokens.sum()) * Hk * (head_dim + value_dim) * cache_dtype_bytes
+
+
+class CompressedKVCache(KVCache):
+    """Decoding cache: a compressed context segment per layer plus the decoded tokens' K/V.
+
+    Attention's decode path reads it like a :class:`KVCache` (``update`` returns the keys and
+    values to attend, ``[segment ; decoded]``) and takes its additive :meth:`attention_bias`.
+    :meth:`length` counts attended entries, not positions: pass ``positions`` explicitly when
+    decoding (the segment stands for more tokens than it holds).
+
+    Args:
+        num_layers: decoder depth.
+        cache_dtype_bytes: bytes per element of the deployed floating cache (byte accounting).
+    """
+
+    def __init__(self, num_layers: int, cache_dtype_bytes: int = 2) -> None:
+        super().__init__(num_layers)
+        self.segments: list[StoredSegment | None] = [None] * num_layers
+        self.cache_dtype_bytes = cache_dtype_bytes
+        self.stats: list[dict[str, torch.Tensor]] = []
+
+    def set_segment(self, layer_idx: int, segment: StoredSegment) -> None:
+        self.segments[layer_idx] = segment
+
+    def _segment(self, layer_idx: int) -> StoredSegment:
+        seg = self.segments[layer_idx]
+        if seg is None:
+            raise RuntimeError(f"layer {layer_idx} has no compressed segment: prefill first")
+        return seg
+
+    def num_decoded(self, layer_idx: int = 0) -> int:
+        return super().length(layer_idx)
+
+    def length(self, layer_idx: int = 0) -> int:
+        """Attended entries of a layer: segment slots + decoded tokens."""
+        return self._segment(layer_idx).valid.shape[1] + self.num_decoded(layer_idx)
+
+    def update(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k/v [B, Hk, T, D]; return [segment ; decoded] keys/values [B, Hk, M + S, D]."""
+        k_dec, v_dec = super().update(layer_idx, k, v)  # [B, Hk, S, D]
+        k_seg, v_seg = self._segment(layer_idx).kv(k.dtype)  # [B, Hk, M, D]
+        return torch.cat([k_seg, k_dec], 2), torch.cat([v_seg, v_dec], 2)
+
+    def attention_bias(self, layer_idx: int, T: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive bias of the last ``T`` decoded queries over ``[segment ; decoded]`` keys.
+
+        Segment entries: ``log(count)`` where valid (as the in-loop seam), masked elsewhere;
+        decoded tokens: causal.
+
+        Returns:
+            [B, 1, T, M + S].
+        """
+        seg = self._segment(layer_idx)
+        S = self.num_decoded(layer_idx)
+        neg = torch.finfo(dtype).min
+        seg_bias = torch.log(seg.counts.clamp_min(1.0)).to(dtype)  # [B, M]
+        seg_part = torch.where(seg.valid, seg_bias, neg)[:, None, :].expand(-1, T, -1)  # [B, T, M]
+        qi = torch.arange(T, device=seg.valid.device)[:, None] + (S - T)
+        causal = torch.arange(S, device=seg.valid.device)[None, :] <= qi  # [T, S]
+        dec_part = torch.where(causal, 0.0, neg).to(dtype).expand(seg.valid.shape[0], T, S)
+        return torch.cat([seg_part, dec_part], dim=-1)[:, None]
+
+    # ----------------------------------------------------------------------------- bytes
+    def kv_bytes(self, include_metadata: bool = True) -> int:
+        """Stored bytes of the compressed context, all layers: packed K/V + scales (+ merge counts
+        and head maps). Decoded tokens are not included (see :meth:`decoded_bytes`)."""
+        total = 0
+        for seg in self.segments:
+            if seg is not None:
+                total += seg.payload_bytes(self.cache_dtype_bytes)
+                total += seg.metadata_bytes() if include_metadata else 0
+        return total
+
+    def baseline_bytes(self, head_dim: int, value_dim: int | None = None) -> int:
+        """Bytes of the uncompressed 16-bit context cache, all layers."""
+        vd = head_dim if value_dim is None else value_dim
+        return sum(
+            seg.baseline_bytes(head_dim, vd, self.cache_dtype_bytes)
+            for seg in self.segments
+            if seg is not None
+        )
+
+    def decoded_bytes(self) -> int:
+        """Decoded tokens' K/V at the cache dtype (they are not compressed)."""
+        return (
+            sum(
+                k.numel() + v.numel()
+                for k, v in zip(self.keys, self.values)
+                if k is not None and v is not None
+            )
+            * self.cache_dtype_bytes
+        )
+
+    def nbytes(self) -> int:
+        """Everything the cache holds: compressed context with metadata + decoded tokens."""
+        return self.kv_bytes(include_metadata=True) + self.decoded_bytes()
+
+
+# --------------------------------------------------------------------------------- prefill
+class _CaptureSegments:
+    """Wraps a compressor at the seam and keeps each layer's segment (the prefill's output)."""
+
+    def __init__(self, inner: KVCompressor) -> None:
+        self.inner = inner
+        self.pre_rope = bool(getattr(inner, "pre_rope", False))
+        self.segments: dict[int, tuple[KVSegment, torch.Tensor]] = {}
+
+    def __call__(self, inp: CompressionInput) -> KVSegment:
+        seg = self.inner(inp)
+        if self.pre_rope and seg.quant is not None:
+            raise NotImplementedError(
+                "packed storage of a pre-RoPE compressor is not supported by the decoding cache"
+            )
+        # The attention rotates a pre-RoPE segment's keys in place of seg.keys after this
+        # returns; keeping the object (not a copy) stores the rotated keys.
+        self.segments[inp.layer_idx] = (seg, inp.context_mask.sum(1))
+        return seg
+
+
+def _as_split(split: int | torch.Tensor, B: int, device: torch.device) -> torch.Tensor:
+    if isinstance(split, int):
+        return torch.full((B,), split, dtype=torch.long, device=device)
+    return split.to(device=device, dtype=torch.long)
+
+
+def _check_model(model: Decoder) -> None:
+    if model.config.attention_type == "mla":
+        raise NotImplementedError(
+            "compressed decoding of the MLA latent cache is not implemented; evaluate MLA models "
+            "with the in-loop forward (model(ids, split=..., compressor=...))"
+        )
+
+
+@torch.no_grad()
+def prefill_compressed(
+    model: Decoder,
+    input_ids: torch.Tensor,
+    split: int | torch.Tensor,
+    compressor: KVCompressor,
+    *,
+    modality_ids: torch.Tensor | None = None,
+    cache_dtype_bytes: int = 2,
+) -> tuple[CompressedKVCache, torch.Tensor]:
+    """Prefill the prompts ``input_ids[b, :split[b]]`` and compress every layer's cache.
+
+    Args:
+        model: a GQA :class:`~unicache_train.model.Decoder`.
+        input_ids: [B, P] token ids; only ``[0, split[b])`` of each row is read (the rest may be
+            padding or the continuation).
+        split: prompt length per sample, an int or [B] (each in ``[1, P]``).
+        compressor: the KV compressor (the same object training used).
+        modality_ids: [B, P] (default: text).
+        cache_dtype_bytes: bytes per element of the deployed floating cache (accounting).
+
+    Returns:
+        (cache, logits [B, V] of each prompt's last token, i.e. the first generated token's).
+    """
+    _check_model(model)
+    B = input_ids.shape[0]
+    split_t = _as_split(split, B, input_ids.device)
+    if int(split_t.min()) < 1 or int(split_t.max()) > input_ids.shape[1]:
+        raise ValueError(f"split {split_t.tolist()} out of range [1, {input_ids.shape[1]}]")
+    P = int(split_t.max())
+    ids = input_ids[:, :P]
+    mods = modality_ids[:, :P] if modality_ids is not None else None
+    capture = _CaptureSegments(compressor)
+    out = model(ids, modality_ids=mods, split=split_t, compressor=capture)
+    cache = CompressedKVCache(model.config.num_hidden_layers, cache_dtype_bytes)
+    for layer_idx, (seg, n_ctx) in capture.segments.items():
+        cache.set_segment(layer_idx, StoredSegment.from_segment(seg, n_ctx))
+    cache.stats = out.compression
+    last = out.logits.gather(1, (split_t - 1)[:, None, None].expand(B, 1, out.logits.shape[-1]))
+    return cache, last[:, 0]  # [B, V]
+
+
+def _decode(
+    model: Decoder, cache: CompressedKVCache, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """One decode call: tokens, positions [B, t] -> logits [B, t, V]."""
+    mods = torch.zeros_like(tokens)
+    return model(tokens, positions=positions, modality_ids=mods, cache=cache).logits
+
+
+@torch.no_grad()
+def decode_teacher_forced(
+    model: Decoder,
+    input_ids: torch.Tensor,
+    split: int | torch.Tensor,
+    compressor: KVCompressor,
+    *,
+    modality_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, CompressedKVCache]:
+    """Prefill ``[0, split)``, compress, then feed the continuation one token at a time.
+
+    Args:
+        input_ids: [B, T].
+        split: int or [B].
+
+    Returns:
+        (logits [B, T, V] with NaN before position ``split[b] - 1``, the cache).
+    """
+    B, T = input_ids.shape
+    split_t = _as_split(split, B, input_ids.device)
+    cache, first = prefill_compressed(
+        model, input_ids, split_t, compressor, modality_ids=modality_ids
+    )
+    V = first.shape[-1]
+    out = torch.full((B, T, V), float("nan"), dtype=first.dtype, device=first.device)
+    rows = torch.arange(B, device=input_ids.device)
+    out[rows, split_t - 1] = first
+    for i in range(T - int(split_t.min())):
+        pos = split_t + i  # [B] position of the token fed now
+        live = pos < T
+        tok = input_ids.gather(1, pos.clamp(max=T - 1)[:, None])  # [B, 1]
+        logits = _decode(model, cache, tok, pos[:, None])[:, 0]  # [B, V]
+        out[rows[live], pos[live]] = logits[live]
+    return out, cache
+
+
+@dataclass
+class CompressedGeneration:
+    """Greedy tokens generated on a compressed cache.
+
+    Attributes:
+        tokens: [B, N] generated ids (after ``eos_token_id``, a sequence repeats it).
+        cache: the cache after generation (``kv_bytes()`` / ``baseline_bytes()``).
+    """
+
+    tokens: torch.Tensor
+    cache: CompressedKVCache
+
+
+@torch.no_grad()
+def generate_compressed(
+    model: Decoder,
+    input_ids: torch.Tensor,
+    split: int | torch.Tensor,
+    compressor: KVCompressor,
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | None = None,
+    modality_ids: torch.Tensor | None = None,
+) -> CompressedGeneration:
+    """Greedy decoding after the prompts ``input_ids[b, :split[b]]``, on the compressed cache.
+
+    Args:
+        model: a GQA decoder (eval mode is the caller's business; no dropout here anyway).
+        input_ids: [B, P] right-padded prompts.
+        split: prompt lengths, int or [B].
+        compressor: the KV compressor.
+        max_new_tokens: tokens to generate (N).
+        eos_token_id: once emitted, a sequence keeps emitting it.
+
+    Returns:
+        :class:`CompressedGeneration`.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    B = input_ids.shape[0]
+    split_t = _as_split(split, B, input_ids.device)
+    cache, logits = prefill_compressed(
+        model, input_ids, split_t, compressor, modality_ids=modality_ids
+    )
+    done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    out = []
+    for i in range(max_new_tokens):
+        nxt = logits.float().argmax(-1)  # [B]
+        if eos_token_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+            done |= nxt == eos_token_id
+        out.append(nxt)
+        if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+            break
+        logits = _decode(model, cache, nxt[:, None], (split_t + i)[:, None])[:, 0]
+    return CompressedGeneration(tokens=torch.stack(out, 1), cache=cache)

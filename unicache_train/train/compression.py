@@ -1,0 +1,199 @@
+"""KV compression in the training loop: splits, the in-loop loss, the KL term, the curriculum.
+
+Shape legend: B, T, V = batch, tokens, vocab.
+
+One training step with compression (DESIGN §6 "In-loop semantics")::
+
+    batch ─► splits s [B] (data's split, else seeded random in [min_context, L - 1))
+          ─► model(ids, split=s, compressor=c)     tokens < s: prefill, full causal attention
+                 │                                  every layer: context K/V ─► compressor
+                 │                                  tokens >= s: compressed cache + own causal K/V
+                 ▼
+          logits [B, T, V] ─► LM loss on targets t >= s - 1 (or all targets)
+                           └► + kl_weight * KL(uncompressed || compressed) on the same targets,
+                              the uncompressed logits from the same model under no_grad
+
+The first continuation token is predicted at position ``s - 1``: a context query, which attends
+to the full context (the prefill of inference predicts it the same way). The loss on "the
+continuation" therefore starts at ``s - 1``; with ``DataConfig.split_at = "question"`` even the
+first answer token is predicted through the compressed cache.
+
+Everything here is a pure function of tensors (plus :func:`build_compressor`), shared by the
+LightningModule, the evaluation and the benchmark.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from unicache_train.compress.base import IdentityCompressor, KVCompressor
+from unicache_train.config import CompressionTrainConfig
+
+__all__ = [
+    "IGNORE_INDEX",
+    "build_compressor",
+    "sample_splits",
+    "continuation_mask",
+    "masked_lm_loss",
+    "masked_nll",
+    "compression_kl",
+    "curriculum_scale",
+    "set_rate_scale",
+    "layer_mean_stats",
+    "step_generator",
+]
+
+IGNORE_INDEX = -100
+
+
+def build_compressor(config: CompressionTrainConfig) -> KVCompressor:
+    """The compressor a run trains with: UniCache (on a private copy of the config, so that the
+    curriculum's ``set_rate_scale`` never edits the run config) or the identity."""
+    if config.method == "none":
+        return IdentityCompressor()
+    from unicache_train.compress import UniCacheCompressor, UniCacheConfig
+
+    cfg = config.unicache
+    assert isinstance(cfg, UniCacheConfig)  # resolved by CompressionTrainConfig.__post_init__
+    return UniCacheCompressor(UniCacheConfig.from_dict(cfg.to_dict()))
+
+
+def step_generator(seed: int, step: int, rank: int = 0, micro: int = 0) -> torch.Generator:
+    """A CPU generator that depends only on ``(seed, step, rank, micro)``: a step's random splits
+    are reproducible (resume included), and ranks and accumulated micro-batches draw their own."""
+    mixed = (seed * 1_000_003 + step * 8_191 + rank * 131_071 + micro * 524_287) % (2**63 - 1)
+    return torch.Generator().manual_seed(mixed)
+
+
+def sample_splits(
+    labels: torch.Tensor,
+    data_split: torch.Tensor | None,
+    *,
+    mode: str = "data",
+    min_context: int = 16,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Context/continuation split per sample.
+
+    Args:
+        labels: [B, T] shifted targets (``-100`` = ignore); a sample's length ``L`` is one past
+            its last labelled position, so random splits never land in right padding.
+        data_split: [B] the data's split (-1 = none) or None.
+        mode: ``"data"`` (the data's split where >= 1, random elsewhere) or ``"random"``.
+        min_context: smallest random split.
+        generator: CPU generator of the random draws (see :func:`step_generator`).
+
+    Returns:
+        [B] long on ``labels.device``, each in ``[1, T - 1]``: at least one context token and
+        one continuation token.
+    """
+    B, T = labels.shape
+    if T < 2:
+        raise ValueError(f"in-loop compression needs sequences of >= 2 tokens, got T={T}")
+    pos = torch.arange(T, device=labels.device)
+    labelled = labels != IGNORE_INDEX  # [B, T]
+    length = torch.where(labelled, pos + 1, 0).amax(1).clamp(2, T)  # [B]
+    hi = (length - 1).cpu()  # exclusive upper bound of a random split: >= 1 continuation token
+    lo = torch.minimum(torch.full_like(hi, min_context), hi - 1).clamp_min(1)
+    u = torch.rand(B, generator=generator)
+    rand = (lo + (u * (hi - lo).clamp_min(1)).long()).clamp(max=T - 1).to(labels.device)
+    if mode == "random" or data_split is None:
+        return rand
+    ok = (data_split >= 1) & (data_split <= T - 1)
+    return torch.where(ok, data_split.to(labels.device), rand)
+
+
+def continuation_mask(split: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, T] bool, True at the positions whose target is a continuation token (``t >= s - 1``)."""
+    t = torch.arange(T, device=split.device)
+    return t[None, :] >= (split[:, None] - 1)
+
+
+def masked_nll(
+    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token NLL and the number of targets counted.
+
+    Args:
+        logits: [B, T, V].
+        labels: [B, T] (``-100`` = ignore).
+        mask: [B, T] bool, extra restriction (e.g. :func:`continuation_mask`).
+
+    Returns:
+        (nll_sum [], tokens [] long).
+    """
+    if mask is not None:
+        labels = labels.masked_fill(~mask, IGNORE_INDEX)
+    nll = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return nll, (labels != IGNORE_INDEX).sum()
+
+
+def masked_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled positions where ``mask`` holds.
+
+    Returns 0 (with a graph) when nothing is labelled, so a batch of empty continuations does
+    not turn the loss into NaN.
+    """
+    nll, tokens = masked_nll(logits, labels, mask)
+    return nll / tokens.clamp_min(1)
+
+
+def compression_kl(
+    ref_logits: torch.Tensor,
+    logits: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """``KL(softmax(ref / tau) || softmax(logits / tau)) * tau^2``, mean over masked positions.
+
+    Args:
+        ref_logits: [B, T, V] uncompressed logits (no gradient expected).
+        logits: [B, T, V] compressed logits.
+        mask: [B, T] bool, positions that count (continuation targets, no padding).
+        temperature: tau.
+
+    Returns:
+        [] scalar, 0 when the mask is empty.
+    """
+    ref = F.log_softmax(ref_logits[mask].float() / temperature, dim=-1)  # [N, V]
+    out = F.log_softmax(logits[mask].float() / temperature, dim=-1)  # [N, V]
+    kl = F.kl_div(out, ref, log_target=True, reduction="sum")
+    return kl * temperature**2 / max(int(mask.sum()), 1)
+
+
+def curriculum_scale(step: int, curriculum_steps: int, final: float = 1.0) -> float:
+    """``rate_scale`` at optimizer step ``step``: linear from 0 to ``final`` over
+    ``curriculum_steps`` steps (``final`` from the start when ``curriculum_steps`` is 0)."""
+    if curriculum_steps <= 0:
+        return final
+    return final * min(1.0, max(0, step) / curriculum_steps)
+
+
+def set_rate_scale(compressor: KVCompressor, scale: float) -> bool:
+    """Apply a curriculum value; False for compressors without a rate (the identity)."""
+    setter = getattr(compressor, "set_rate_scale", None)
+    if setter is None:
+        return False
+    setter(scale)
+    return True
+
+
+def layer_mean_stats(per_layer: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-layer compressor stats -> ``compress/<key>`` averaged over the layers that report it.
+
+    ``kv_bytes`` is summed instead (bytes of the whole cache of the batch).
+    """
+    keys: dict[str, list[torch.Tensor]] = {}
+    for stats in per_layer:
+        for key, value in stats.items():
+            keys.setdefault(key, []).append(value.detach().float())
+    out = {}
+    for key, values in keys.items():
+        stacked = torch.stack(values)
+        out[f"compress/{key}"] = stacked.sum() if key == "kv_bytes" else stacked.mean()
+    return out
