@@ -5,7 +5,7 @@ The mHC paper (arXiv 2512.24880, Fig. 3/7) reports a composite forward gain near
 modes (plus the plain residual for reference) and reports what the monitor measures.
 
     python scripts/gain_depth_study.py --layers 32 --steps 150
-Appends rows to scripts/results/gain_depth_study.csv and writes scripts/results/gain_depth_study.png.
+Appends rows to scripts/results/gain_depth_study.csv, writes scripts/results/gain_depth_study.png.
 """
 
 from __future__ import annotations
@@ -44,20 +44,27 @@ def batches(seq_len: int, batch_size: int, seed: int):
 
 def measure(model: Decoder, ids: torch.Tensor) -> dict[str, float]:
     """Composite gain of all residual mixes and the per-layer forward gains on one batch."""
-    hcs = [getattr(layer, n) for layer in model.layers for n in ("attn_hc", "ffn_hc")
-           if getattr(layer, n, None) is not None]
+    hcs = [
+        getattr(layer, n)
+        for layer in model.layers
+        for n in ("attn_hc", "ffn_hc")
+        if getattr(layer, n, None) is not None
+    ]
     for hc in hcs:
         hc.record = True
     norms: list[float] = []
-    hooks = [layer.register_forward_hook(lambda m, a, o: norms.append(rms(o)))
-             for layer in model.layers]
+    hooks = [
+        layer.register_forward_hook(lambda m, a, o: norms.append(rms(o))) for layer in model.layers
+    ]
     with torch.no_grad():
         x0 = rms(model.embed_tokens(ids))
         model(ids)
     for h in hooks:
         h.remove()
-    out = {"amax_layer_gain": max(b / a for a, b in zip([x0, *norms[:-1]], norms)),
-           "final_over_embed": norms[-1] / x0}
+    out = {
+        "amax_layer_gain": max(b / a for a, b in zip([x0, *norms[:-1]], norms)),
+        "final_over_embed": norms[-1] / x0,
+    }
     if hcs:
         s = mix_stats([hc.last_coeffs.res for hc in hcs])
         out.update(composite_fwd=s.composite_fwd, composite_bwd=s.composite_bwd)
@@ -68,10 +75,16 @@ def measure(model: Decoder, ids: torch.Tensor) -> dict[str, float]:
 
 def run(mode: str, preset: str, args) -> list[dict[str, float]]:
     torch.manual_seed(args.seed)
-    cfg = ModelConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=2,
-                      num_key_value_heads=1, residual_mode=mode, hc_mult=args.n,
-                      hc_preset=preset)
+    cfg = ModelConfig(
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        residual_mode=mode,
+        hc_mult=args.n,
+        hc_preset=preset,
+    )
     model = Decoder(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     data = batches(args.seq_len, args.batch_size, args.seed)
@@ -104,30 +117,63 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    cases = [("hc", "deepseek_v4", "hc"), ("mhc", "deepseek_v4", "mhc deepseek_v4"),
-             ("mhc", "paper", "mhc paper"), ("residual", "deepseek_v4", "residual")]
+    cases = [
+        ("hc", "deepseek_v4", "hc"),
+        ("mhc", "deepseek_v4", "mhc deepseek_v4"),
+        ("mhc", "paper", "mhc paper"),
+        ("residual", "deepseek_v4", "residual"),
+    ]
     results = {}
     for mode, preset, label in cases:
         t0 = time.perf_counter()
         results[label] = run(mode, preset, args)
         last = results[label][-1]
-        print(f"{label:16s} composite_fwd={last.get('composite_fwd', float('nan')):10.4g} "
-              f"composite_bwd={last.get('composite_bwd', float('nan')):10.4g} "
-              f"max_layer_gain={last['amax_layer_gain']:.3g} "
-              f"({time.perf_counter() - t0:.0f}s)", flush=True)
+        print(
+            f"{label:16s} composite_fwd={last.get('composite_fwd', float('nan')):10.4g} "
+            f"composite_bwd={last.get('composite_bwd', float('nan')):10.4g} "
+            f"max_layer_gain={last['amax_layer_gain']:.3g} "
+            f"({time.perf_counter() - t0:.0f}s)",
+            flush=True,
+        )
 
     RESULTS.mkdir(exist_ok=True)
-    machine = f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    machine = f"{cpu} x{torch.get_num_threads()} torch {torch.__version__}"
     with (RESULTS / "gain_depth_study.csv").open("a", newline="") as fh:
         w = csv.writer(fh)
         if fh.tell() == 0:
-            w.writerow(["case", "layers", "hidden", "n", "steps", "lr", "composite_fwd",
-                        "composite_bwd", "max_layer_gain", "final_over_embed", "machine"])
+            w.writerow(
+                [
+                    "case",
+                    "layers",
+                    "hidden",
+                    "n",
+                    "steps",
+                    "lr",
+                    "composite_fwd",
+                    "composite_bwd",
+                    "max_layer_gain",
+                    "final_over_embed",
+                    "machine",
+                ]
+            )
         for label, rows in results.items():
             last = rows[-1]
-            w.writerow([label, args.layers, args.hidden, args.n, args.steps, args.lr,
-                        last.get("composite_fwd", ""), last.get("composite_bwd", ""),
-                        last["amax_layer_gain"], last["final_over_embed"], machine])
+            w.writerow(
+                [
+                    label,
+                    args.layers,
+                    args.hidden,
+                    args.n,
+                    args.steps,
+                    args.lr,
+                    last.get("composite_fwd", ""),
+                    last.get("composite_bwd", ""),
+                    last["amax_layer_gain"],
+                    last["final_over_embed"],
+                    machine,
+                ]
+            )
 
     import matplotlib
 
@@ -137,8 +183,9 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, rows in results.items():
         if "composite_fwd" in rows[0]:
-            ax.plot([r["step"] for r in rows], [r["composite_fwd"] for r in rows], "o-",
-                    label=label)
+            ax.plot(
+                [r["step"] for r in rows], [r["composite_fwd"] for r in rows], "o-", label=label
+            )
     ax.set_yscale("log")
     ax.set_xlabel("training step")
     ax.set_ylabel("composite forward gain (Amax)")

@@ -15,11 +15,23 @@ from unicache_train.config import (
 @pytest.mark.parametrize(
     "cls, kwargs, match",
     [
-        (ModelConfig, {"hidden_size": 0}, r"ModelConfig\.hidden_size=0 is out of range; allowed \[1"),
+        (
+            ModelConfig,
+            {"hidden_size": 0},
+            r"ModelConfig\.hidden_size=0 is out of range; allowed \[1",
+        ),
         (ModelConfig, {"num_key_value_heads": 3}, r"num_key_value_heads=3 must divide"),
-        (ModelConfig, {"num_key_value_heads": 8}, r"num_key_value_heads=8 is out of range; allowed \[1, 4\]"),
+        (
+            ModelConfig,
+            {"num_key_value_heads": 8},
+            r"num_key_value_heads=8 is out of range; allowed \[1, 4\]",
+        ),
         (ModelConfig, {"hidden_size": 130}, r"hidden_size=130 is not divisible"),
-        (ModelConfig, {"residual_mode": "mhcx"}, r"residual_mode='mhcx' is not allowed; choose one of"),
+        (
+            ModelConfig,
+            {"residual_mode": "mhcx"},
+            r"residual_mode='mhcx' is not allowed; choose one of",
+        ),
         (ModelConfig, {"hc_mult": 0}, r"hc_mult=0 is out of range"),
         (ModelConfig, {"rms_norm_eps": -1.0}, r"rms_norm_eps=-1.0 is out of range; allowed \(0"),
         (ModelConfig, {"vocab_size": 2.5}, r"vocab_size=2.5: expected an integer"),
@@ -45,8 +57,9 @@ def test_head_dim_is_derived_until_set():
 def test_yaml_round_trip_and_overrides(tmp_path):
     cfg = RunConfig(model=ModelConfig(hidden_size=64), train=TrainConfig(max_steps=7))
     path = cfg.save(tmp_path / "c.yaml")
-    again = RunConfig.load(path, overrides=["train.lr=0.01", "model.residual_mode=mhc",
-                                            "data.synthetic.seed=5"])
+    again = RunConfig.load(
+        path, overrides=["train.lr=0.01", "model.residual_mode=mhc", "data.synthetic.seed=5"]
+    )
     assert again.model.hidden_size == 64 and again.train.max_steps == 7
     assert again.train.lr == 0.01 and again.model.residual_mode == "mhc"
     assert again.data.synthetic.seed == 5

@@ -39,8 +39,15 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, value and allowed range."""
 
 
-def _range(obj: Any, name: str, lo: float | None = None, hi: float | None = None, *, lo_open=False,
-           hi_open=False) -> None:
+def _range(
+    obj: Any,
+    name: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open=False,
+    hi_open=False,
+) -> None:
     value = getattr(obj, name)
     cls = type(obj).__name__
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
@@ -52,7 +59,9 @@ def _range(obj: Any, name: str, lo: float | None = None, hi: float | None = None
         right = ")" if hi_open else "]"
         lo_s = "-inf" if lo is None else lo
         hi_s = "inf" if hi is None else hi
-        raise ConfigError(f"{cls}.{name}={value!r} is out of range; allowed {left}{lo_s}, {hi_s}{right}")
+        raise ConfigError(
+            f"{cls}.{name}={value!r} is out of range; allowed {left}{lo_s}, {hi_s}{right}"
+        )
 
 
 def _int(obj: Any, name: str, lo: int | None = None, hi: int | None = None) -> None:
@@ -179,8 +188,11 @@ class ModelConfig:
         ``head_dim`` stays ``None`` when derived so that changing ``hidden_size`` (e.g. from the
         command line) re-derives it.
         """
-        return self.head_dim if self.head_dim is not None else (
-            self.hidden_size // self.num_attention_heads)
+        return (
+            self.head_dim
+            if self.head_dim is not None
+            else (self.hidden_size // self.num_attention_heads)
+        )
 
     @property
     def uses_streams(self) -> bool:

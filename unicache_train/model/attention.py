@@ -16,9 +16,11 @@ Three ways through :meth:`Attention.forward`:
    is the prefill -> compress -> decode of inference, done in one parallel forward so that
    gradients reach every layer.
 
-      x [B,T,C] ─► q,k,v ─► RoPE ─┬─────────────── full causal K/V (context queries) ─┐
-                                  └─► compressor(context K/V) ─► segment K/V ────────────┤
-                                                         continuation causal K/V ────────┴─► SDPA ─► o_proj
+      x [B,T,C] ─► q,k,v ─► RoPE ─┬──────────── full causal K/V (context queries) ─┐
+                                  └─► compressor(context K/V) ─► segment K/V ─────────┤
+                                                 continuation causal K/V ─────────────┴─► SDPA
+                                                                                         │
+                                                                                     o_proj
 """
 
 from __future__ import annotations

@@ -149,30 +149,35 @@ class SignalGainMonitor(L.Callback):
             hc.last_coeffs = None
         if mats:
             s = mix_stats(mats)
-            metrics.update({
-                M.MHC_COMPOSITE_FWD: s.composite_fwd,
-                M.MHC_COMPOSITE_BWD: s.composite_bwd,
-                M.MHC_MAX_LOG_ROWSUM: s.max_log_rowsum,
-                M.MHC_MAX_LOG_COLSUM: s.max_log_colsum,
-                M.MHC_SINKHORN_RESIDUAL: s.sinkhorn_residual,
-            })
+            metrics.update(
+                {
+                    M.MHC_COMPOSITE_FWD: s.composite_fwd,
+                    M.MHC_COMPOSITE_BWD: s.composite_bwd,
+                    M.MHC_MAX_LOG_ROWSUM: s.max_log_rowsum,
+                    M.MHC_MAX_LOG_COLSUM: s.max_log_colsum,
+                    M.MHC_SINKHORN_RESIDUAL: s.sinkhorn_residual,
+                }
+            )
             row.update(composite_fwd=s.composite_fwd, composite_bwd=s.composite_bwd)
         self.history.append(row)
         self._check_threshold(trainer, fwd)
         _log(trainer, metrics)
 
     def _check_threshold(self, trainer, fwd: list[float]) -> None:
-        bad = [i for i, g in enumerate(fwd)
-               if not (1.0 / self.threshold <= g <= self.threshold)]
+        bad = [i for i, g in enumerate(fwd) if not (1.0 / self.threshold <= g <= self.threshold)]
         for i in bad:
             if i not in self._warned:
                 self._warned.add(i)
-                _warn(f"layer {i}: forward norm gain {fwd[i]:.3g} is outside "
-                      f"[1/{self.threshold:g}, {self.threshold:g}] at step {trainer.global_step}")
+                _warn(
+                    f"layer {i}: forward norm gain {fwd[i]:.3g} is outside "
+                    f"[1/{self.threshold:g}, {self.threshold:g}] at step {trainer.global_step}"
+                )
         self._consecutive = self._consecutive + 1 if bad else 0
         if self.stop_after is not None and self._consecutive >= self.stop_after:
-            _warn(f"stopping: per-layer gain exceeded {self.threshold:g}x for "
-                  f"{self._consecutive} consecutive checks (layers {bad})")
+            _warn(
+                f"stopping: per-layer gain exceeded {self.threshold:g}x for "
+                f"{self._consecutive} consecutive checks (layers {bad})"
+            )
             trainer.should_stop = True
 
     # ------------------------------------------------------------------------------ plots
@@ -187,8 +192,11 @@ class SignalGainMonitor(L.Callback):
             _log_image(trainer, "gain/plot", path)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": self.history, "consecutive": self._consecutive,
-                "warned": sorted(self._warned)}
+        return {
+            "history": self.history,
+            "consecutive": self._consecutive,
+            "warned": sorted(self._warned),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = list(state.get("history", []))
@@ -216,7 +224,11 @@ class CompressionQualityMonitor(L.Callback):
         for key, value in values.items():
             if not key.startswith(M.COMPRESS_PREFIX + "/"):
                 raise ValueError(f"compression metric {key!r} must start with 'compress/'")
-            v = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+            v = (
+                float(value.detach().float().mean())
+                if isinstance(value, torch.Tensor)
+                else float(value)
+            )
             self._pending.setdefault(key, []).append(v)
 
     def record_layers(self, per_layer: list[Mapping[str, torch.Tensor | float]]) -> None:
