@@ -1,5 +1,6 @@
 # Two commands do all the set-up work on a fresh machine:
-#   make demo   # install into .venv (first time), then run the main job on the bundled data (CPU)
+#   make demo   # install into .venv (first time), then the main job: pretrain a tiny model,
+#               # evaluate under KV compression, fine-tune with compression in the loop, evaluate
 #   make test   # install into .venv (first time), then run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,7 +19,7 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 demo: install
-	$(BIN)/python recipes/pretrain_tiny.py
+	OMP_NUM_THREADS=1 $(BIN)/python recipes/finetune_compress.py
 
 test: install
 	$(BIN)/python -m pytest -q

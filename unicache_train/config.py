@@ -461,7 +461,9 @@ class CompressionTrainConfig:
     enabled: bool = False
     method: str = "unicache"
     preset: str = "default"
-    unicache: UniCacheConfig | dict[str, Any] | None = None
+    # NOTE: mapping first, so a parser reading this annotation (jsonargparse) keeps a YAML/JSON
+    # mapping as a mapping, which is then merged onto the preset instead of replacing it.
+    unicache: dict[str, Any] | UniCacheConfig | None = None
     split: str = "data"
     min_context: int = 16
     seed: int = 0
