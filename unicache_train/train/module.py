@@ -161,7 +161,8 @@ class LMModule(L.LightningModule):
         from unicache_train.monitor.metrics import compression_metrics
 
         sink = find_callback(self.trainer, CompressionQualityMonitor)
-        if sink is not None:
+        # NOTE: only on the steps the sink flushes: turning the stats into floats syncs the device.
+        if sink is not None and self.global_step % sink.every_n_steps == 0:
             curves = compression_metrics(per_layer)
             sink.record({k: v for k, v in curves.items() if "/layer_" in k})
 
