@@ -494,7 +494,7 @@ class CompressionTrainConfig:
         _int(self, "curriculum_steps", 0)
         if self.unicache is None or isinstance(self.unicache, dict):
             base = PRESETS[self.preset]().to_dict()
-            self.unicache = UniCacheConfig.from_dict(_deep_merge(base, self.unicache or {}))
+            self.unicache = UniCacheConfig.from_dict(deep_merge(base, self.unicache or {}))
         elif not isinstance(self.unicache, UniCacheConfig):
             raise ConfigError(
                 f"CompressionTrainConfig.unicache={self.unicache!r}: expected a mapping or a "
@@ -502,12 +502,12 @@ class CompressionTrainConfig:
             )
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """``over`` merged into a copy of ``base``, recursing into nested mappings."""
     out = dict(base)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out

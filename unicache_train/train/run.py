@@ -190,8 +190,6 @@ def run_recipe(default_yaml: str | Path, argv: list[str] | None = None) -> L.Tra
     ``train.max_steps=50 model.hc_mult=2``. The launcher's flags (``fabric run --devices 2
     --strategy ddp``) arrive through the environment and are applied in :func:`fit`.
     """
-    import sys
-
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
         print(f"usage: [python | fabric run ...] RECIPE.py [--config FILE.yaml] "

@@ -57,7 +57,7 @@ from unicache_train.checkpoint.zero import (
     temporary_path,
     zero_world_size,
 )
-from unicache_train.config import ConfigError, RunConfig
+from unicache_train.config import ConfigError, RunConfig, deep_merge
 
 __all__ = [
     "build_strategy",
@@ -274,16 +274,6 @@ def _on_cpu(accelerator: str) -> bool:
     return accelerator == "auto" and not torch.cuda.is_available()
 
 
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def deepspeed_config(config: RunConfig) -> dict[str, Any]:
     """The DeepSpeed JSON for ``config.train``: our defaults, then ``train.deepspeed_config``.
 
@@ -356,7 +346,7 @@ def deepspeed_config(config: RunConfig) -> dict[str, Any]:
                 f"TrainConfig.deepspeed_config={str(path)!r} sets gradient_accumulation_steps; "
                 "use train.accumulate_grad_batches (Lightning passes it to DeepSpeed)"
             )
-        ds = _merge(ds, user)
+        ds = deep_merge(ds, user)
     return ds
 
 
