@@ -74,7 +74,7 @@ class LMModule(L.LightningModule):
             config = RunConfig.from_dict(config)
         self.config = config
         self.save_hyperparameters({"config": config.to_dict()})
-        self.model = Decoder(config.model)
+        self.model = self.build_model()
         if config.train.init_weights is not None:
             self._load_init_weights(config.train.init_weights)
         # Not a module: the compressor has no parameters and must not enter the state dict.
@@ -93,9 +93,20 @@ class LMModule(L.LightningModule):
             state.setdefault("lm_head.weight", state["embed_tokens.weight"])
         self.model.load_state_dict(state, strict=True)
 
+    def build_model(self) -> torch.nn.Module:
+        """The trained network (a :class:`Decoder`; subclasses build e.g. a vision-language
+        decoder, see :mod:`unicache_train.train.vlm`)."""
+        return Decoder(self.config.model)
+
     # ---------------------------------------------------------------------------- steps
+    def model_forward(self, batch: dict[str, torch.Tensor], **kwargs):
+        """The model on a batch (``kwargs``: ``split``/``compressor`` of the in-loop path).
+        Every step calls the model through here, so a subclass with more inputs (images)
+        overrides only this."""
+        return self.model(batch["input_ids"], modality_ids=batch.get("modality_ids"), **kwargs)
+
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(batch["input_ids"], modality_ids=batch.get("modality_ids")).logits
+        return self.model_forward(batch).logits
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.compressor is not None:
@@ -122,9 +133,7 @@ class LMModule(L.LightningModule):
         split = sample_splits(
             labels, batch.get("split"), mode=cc.split, min_context=cc.min_context, generator=gen
         )  # [B]
-        out = self.model(
-            ids, modality_ids=batch.get("modality_ids"), split=split, compressor=self.compressor
-        )
+        out = self.model_forward(batch, split=split, compressor=self.compressor)
         cont = continuation_mask(split, T)  # [B, T]
         lm = masked_lm_loss(out.logits, labels, cont if cc.loss_on == "continuation" else None)
         logs = {"train/lm_loss": lm.detach(), "compress/rate_scale": torch.tensor(scale)}
@@ -133,7 +142,7 @@ class LMModule(L.LightningModule):
             # NOTE: the same weights without gradient, not a frozen copy: the target moves with
             # the model, as self-distillation to the uncompressed forward intends.
             with torch.no_grad():
-                ref = self.model(ids, modality_ids=batch.get("modality_ids")).logits
+                ref = self.model_forward(batch).logits
             kl = compression_kl(ref, out.logits, cont & (labels != IGNORE_INDEX), cc.kl_temperature)
             loss = loss + cc.kl_weight * kl
             logs["train/kl"] = kl.detach()
@@ -196,12 +205,7 @@ class LMModule(L.LightningModule):
         )
         cont = continuation_mask(split, labels.shape[1])
         set_rate_scale(self.compressor, cc.unicache.rate_scale)
-        comp = self.model(
-            batch["input_ids"],
-            modality_ids=batch.get("modality_ids"),
-            split=split,
-            compressor=self.compressor,
-        ).logits
+        comp = self.model_forward(batch, split=split, compressor=self.compressor).logits
         nll_plain, n = masked_nll(logits, labels, cont)
         nll_comp, _ = masked_nll(comp, labels, cont)
         self._val_cont += torch.stack([nll_plain.detach(), nll_comp.detach(), n.float()])
