@@ -248,7 +248,7 @@ def test_sample_splits_data_random_padding_and_determinism() -> None:
 
 # ------------------------------------------------------------------ config
 @pytest.mark.parametrize("field,value", [
-    ("method", "xkv"), ("split", "middle"), ("loss_on", "prompt"), ("min_context", 0),
+    ("method", "svd"), ("split", "middle"), ("loss_on", "prompt"), ("min_context", 0),
     ("kl_weight", -1.0), ("kl_temperature", 0.0), ("curriculum_steps", -5),
     ("preset", "nope"), ("enabled", "yes"), ("unicache", {"target_rate": 2.0}),
     ("unicache", {"quantize": {"bits": 3}}), ("unicache", {"no_such_step": {}}), ("unicache", 0.6),

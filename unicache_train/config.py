@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 if TYPE_CHECKING:
-    from unicache_train.compress.config import UniCacheConfig
+    from unicache_train.compress.config import UniCacheConfig, XKVConfig
 
 __all__ = [
     "ConfigError",
@@ -418,7 +418,7 @@ class MonitorConfig:
         _int(self, "compress_every_n_steps", 1)
 
 
-COMPRESS_METHODS = ("unicache", "none")
+COMPRESS_METHODS = ("unicache", "xkv", "unicache+xkv", "none")
 
 
 @dataclass
@@ -431,14 +431,21 @@ class CompressionTrainConfig:
 
     Attributes:
         enabled: run the in-loop path (off: the plain causal-LM step, unchanged).
-        method: ``"unicache"`` (:class:`~unicache_train.compress.UniCacheCompressor`) or
-            ``"none"`` (the identity compressor: same splits and loss, nothing compressed; the
-            A/B control).
+        method: ``"unicache"`` (:class:`~unicache_train.compress.UniCacheCompressor`),
+            ``"xkv"`` (cross-layer SVD, :class:`~unicache_train.compress.xkv.XKVCompressor`),
+            ``"unicache+xkv"`` (UniCache token compression per layer group, then cross-layer
+            SVD of the kept entries; UniCache's head merging and quantization are switched off
+            there, see :mod:`unicache_train.compress.xkv`) or ``"none"`` (the identity
+            compressor: same splits and loss, nothing compressed; the A/B control).
         preset: UniCache preset the ``unicache`` overrides apply to (see
             :mod:`unicache_train.compress.presets`).
         unicache: the UniCache configuration. A mapping (YAML) is deep-merged onto ``preset``;
             a :class:`UniCacheConfig` is used as is; None is the preset. Always a resolved
             :class:`UniCacheConfig` after validation (saved in full next to checkpoints).
+        xkv: the xKV configuration (:class:`~unicache_train.compress.config.XKVConfig`): a
+            mapping (YAML) of overrides of its defaults, an ``XKVConfig``, or None (the
+            defaults). Always a resolved ``XKVConfig`` after validation; used by the methods
+            ``xkv`` and ``unicache+xkv``.
         split: ``"data"``: the data's split (``batch["split"]``, e.g. the answer of a recall
             prompt) where it is >= 0, else a random one; ``"random"``: always random.
         min_context: smallest random split (context tokens); random splits are drawn uniformly
@@ -464,6 +471,7 @@ class CompressionTrainConfig:
     # NOTE: mapping first, so a parser reading this annotation (jsonargparse) keeps a YAML/JSON
     # mapping as a mapping, which is then merged onto the preset instead of replacing it.
     unicache: dict[str, Any] | UniCacheConfig | None = None
+    xkv: dict[str, Any] | XKVConfig | None = None
     split: str = "data"
     min_context: int = 16
     seed: int = 0
@@ -475,7 +483,7 @@ class CompressionTrainConfig:
 
     def __post_init__(self) -> None:
         # NOTE: imported here: compress/config.py builds on this module's validators.
-        from unicache_train.compress.config import UniCacheConfig
+        from unicache_train.compress.config import UniCacheConfig, XKVConfig
         from unicache_train.compress.presets import PRESETS
 
         for name in ("enabled", "val_compressed"):
@@ -499,6 +507,17 @@ class CompressionTrainConfig:
             raise ConfigError(
                 f"CompressionTrainConfig.unicache={self.unicache!r}: expected a mapping or a "
                 "UniCacheConfig"
+            )
+        if self.xkv is None or isinstance(self.xkv, dict):
+            self.xkv = XKVConfig.from_dict(self.xkv or {})
+        elif not isinstance(self.xkv, XKVConfig):
+            raise ConfigError(
+                f"CompressionTrainConfig.xkv={self.xkv!r}: expected a mapping or an XKVConfig"
+            )
+        if self.method == "unicache+xkv" and self.xkv.gradient != "exact":
+            raise ConfigError(
+                f"CompressionTrainConfig.xkv.gradient={self.xkv.gradient!r} is not allowed with "
+                "method 'unicache+xkv'; choose 'exact'"
             )
 
 

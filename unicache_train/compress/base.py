@@ -10,16 +10,18 @@ Shapes: ``B, H, T, D, M`` = batch, KV heads, tokens, head dim, entries kept in t
 
 Optional segment fields (all default to ``None``; attention ignores them) describe how the entries
 are *stored*: ``head_groups`` (KV heads that share one stored copy after head merging),
-``assignment`` (which entry each input token went to) and ``quant`` (the packed integer storage
-whose bytes ``kv_bytes`` counts). The ``keys``/``values`` a segment carries are always the
-attention view: ``[B, H_kv, M, D]`` floating point, every member head of a group holding the
-group's K/V and quantized entries already dequantized (with a straight-through gradient).
+``assignment`` (which entry each input token went to), ``quant`` (the packed integer storage
+whose bytes ``kv_bytes`` counts) and ``lowrank`` (the low-rank factors of a cross-layer
+compressor, xKV, whose bytes ``kv_bytes`` counts instead of the reconstruction). The
+``keys``/``values`` a segment carries are always the attention view: ``[B, H_kv, M, D]``
+floating point, every member head of a group holding the group's K/V, quantized entries already
+dequantized (with a straight-through gradient) and low-rank ones reconstructed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -29,6 +31,8 @@ __all__ = [
     "KVCompressor",
     "IdentityCompressor",
     "QuantizedKV",
+    "LowRankKV",
+    "find_cross_layer",
     "MODALITY_NAMES",
     "NUM_MODALITIES",
 ]
@@ -66,6 +70,88 @@ class QuantizedKV:
     v_scale: torch.Tensor
     head_dim: int
     value_dim: int | None = None
+
+
+@dataclass
+class LowRankKV:
+    """Low-rank factors of one layer's segment (xKV, :mod:`unicache_train.compress.xkv`).
+
+    Per sample ``b``, the entries' keys of this layer (flattened over heads) are
+    ``token_k[b] @ layer_k[b]`` and likewise the values. The token-side factor is shared by the
+    layers of a cross-layer group (the same values on every member's segment; only the group's
+    first layer, the ``owner``, counts its bytes); the feature-side factor is this layer's own.
+    Columns at or beyond a sample's rank are zero and not counted.
+
+    Attributes:
+        token_k: [B, M, r_k] token-side factor of the keys (``U_r Sigma_r``).
+        layer_k: [B, r_k, H_kv * D_k] this layer's rows of the feature-side basis, transposed.
+        rank_k: [B] long, rank kept per sample.
+        token_v, layer_v, rank_v: the values' factors; None when the values are the first
+            ``value_dim`` features of the keys (MLA's latent cache: ``values = c_kv``).
+        num_heads: H_kv.
+        head_dim: D_k.
+        value_dim: D_v.
+        owner: this layer stores (and counts) the group's token-side factors.
+        pre_rope: the keys are factorised before RoPE; whoever reads them rotates them at the
+            entries' positions after reconstruction.
+        group: the layers sharing the token-side factors.
+        rope: the model's rotary embedding (``positions, dtype -> cos, sin``) that rotates the
+            reconstructed pre-RoPE keys; None when ``pre_rope`` is False.
+    """
+
+    token_k: torch.Tensor
+    layer_k: torch.Tensor
+    rank_k: torch.Tensor
+    token_v: torch.Tensor | None
+    layer_v: torch.Tensor | None
+    rank_v: torch.Tensor | None
+    num_heads: int
+    head_dim: int
+    value_dim: int
+    owner: bool
+    pre_rope: bool
+    group: tuple[int, ...]
+    rope: Any = None
+
+    def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [B, H_kv, M, D_k] (pre-RoPE when ``pre_rope``) and values [B, H_kv, M, D_v]."""
+        B, M = self.token_k.shape[:2]
+        H = self.num_heads
+        k = (self.token_k @ self.layer_k).view(B, M, H, self.head_dim).transpose(1, 2)
+        if self.token_v is None:
+            return k, k[..., : self.value_dim]
+        assert self.layer_v is not None
+        v = (self.token_v @ self.layer_v).view(B, M, H, self.value_dim).transpose(1, 2)
+        return k, v
+
+    def nbytes(self, valid: torch.Tensor, dtype_bytes: int = 2) -> torch.Tensor:
+        """Stored bytes per sample: token-side factors (owner only, valid rows x rank) plus this
+        layer's feature-side factors (rank x width), for K and for V.
+
+        Args:
+            valid: [B, M] bool, the segment's valid entries.
+
+        Returns:
+            [B] float64.
+        """
+        n = valid.sum(1).double()  # [B]
+        owner = float(self.owner)
+        total = self.rank_k.double() * (owner * n + self.layer_k.shape[-1])
+        if self.rank_v is not None and self.layer_v is not None:
+            total = total + self.rank_v.double() * (owner * n + self.layer_v.shape[-1])
+        return total * dtype_bytes
+
+    def detach(self) -> LowRankKV:
+        """The same factors without autograd history (what a cache stores)."""
+
+        def d(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.detach()
+
+        return LowRankKV(
+            self.token_k.detach(), self.layer_k.detach(), self.rank_k, d(self.token_v),
+            d(self.layer_v), self.rank_v, self.num_heads, self.head_dim, self.value_dim,
+            self.owner, self.pre_rope, self.group, self.rope,
+        )  # fmt: skip
 
 
 @dataclass
@@ -115,6 +201,9 @@ class KVSegment:
         assignment: [B, T] long or None. For each input token, the entry it went to (kept or
             merged into); -1 for evicted and non-context tokens.
         quant: packed storage when the segment was quantized, else None.
+        lowrank: low-rank factors when a cross-layer compressor (xKV) emitted the segment; the
+            ``keys``/``values`` are then their reconstruction, and ``kv_bytes`` counts the
+            factors.
     """
 
     keys: torch.Tensor
@@ -127,6 +216,7 @@ class KVSegment:
     head_groups: torch.Tensor | None = None
     assignment: torch.Tensor | None = None
     quant: QuantizedKV | None = None
+    lowrank: LowRankKV | None = None
 
 
 @runtime_checkable
@@ -155,3 +245,21 @@ class IdentityCompressor:
             counts=counts,
             valid=inp.context_mask,
         )
+
+
+def find_cross_layer(compressor: object) -> Any:
+    """The cross-layer compressor (xKV) behind ``compressor``, or None.
+
+    A cross-layer compressor's segment of a layer depends on other layers' context K/V: it
+    declares ``cross_layer = True`` and has ``prepare(model, ...)``, ``release()`` and
+    ``prepared``; the decoder prefills the context through it before the in-loop forward (see
+    :meth:`unicache_train.model.Decoder.forward`). Wrappers (segment captures) expose what they
+    wrap as ``inner`` and are looked through.
+    """
+    seen = 0
+    while compressor is not None and seen < 16:
+        if getattr(compressor, "cross_layer", False):
+            return compressor
+        compressor = getattr(compressor, "inner", None)
+        seen += 1
+    return None

@@ -33,6 +33,7 @@ __all__ = [
     "QuantizeConfig",
     "FallbackConfig",
     "UniCacheConfig",
+    "XKVConfig",
     "MAX_RATE",
 ]
 
@@ -389,3 +390,77 @@ _SUBCONFIGS: dict[str, type] = {
     "quantize": QuantizeConfig,
     "fallback": FallbackConfig,
 }
+
+
+@dataclass
+class XKVConfig:
+    """xKV cross-layer SVD compression (source document 004; arXiv 2503.18893; DESIGN §7).
+
+    Contiguous groups of ``group_size`` layers; per group and per sample, the context keys
+    (pre-RoPE by default) of the group's layers are concatenated along the feature axis and
+    factorised by an fp32 SVD (values separately); rank ``r`` keeps a shared token-side factor
+    ``[T, r]`` plus a small ``[r, H_kv * D]`` factor per layer. See
+    :mod:`unicache_train.compress.xkv`.
+
+    Attributes:
+        group_size: layers per group (1-4; 1 is per-layer SVD). The last group is shorter when
+            the depth is not a multiple.
+        rank_mode: how the rank is chosen: ``"fraction"`` (``rank_fraction`` of the concatenated
+            width: xKV's knob), ``"energy"`` (smallest rank keeping ``energy`` of the squared
+            singular values, per sample) or ``"ratio"`` (largest rank whose stored factors,
+            token-side and per-layer, take at most ``1 / ratio`` of the uncompressed 16-bit
+            context cache, per sample: the knob to compare methods at equal KV bytes).
+        rank_fraction: for ``"fraction"``, in (0, 1]; the source recommends 0.125-0.25 (8x-4x on
+            long contexts, where the per-layer factors are negligible).
+        energy: for ``"energy"``, in (0, 1].
+        ratio: for ``"ratio"``, the KV-bytes reduction in [1, 64], counting the factors.
+        min_rank: smallest rank kept (>= 1).
+        refresh_every: 1: every sample of every forward gets its own SVD (xKV; always so at
+            inference). k > 1, training only: the feature-side basis of each group is computed
+            from the whole batch (pooled) and reused for the next k - 1 steps; each sample still
+            projects its own K/V onto it (a cheaper, slightly worse fit than inference's).
+        keys_pre_rope: factorise keys before RoPE (xKV; RoPE is applied after reconstruction,
+            at each entry's position). False factorises the rotated keys.
+        gradient: ``"exact"``: the context prefill runs with gradients, so every path from the
+            loss to every group member's K/V is differentiated (one more prefill forward and
+            backward per step); ``"causal"``: the prefill that fits the basis runs without
+            gradient and a layer's reconstruction is differentiated through its own and the
+            earlier group members' K/V only (later members enter as constants); cheaper, and
+            free with the KL term, whose uncompressed forward doubles as that prefill.
+            Both forwards are the same numbers; only the gradient differs.
+        cache_dtype_bytes: bytes per element of the stored factors and of the uncompressed
+            baseline (2: fp16/bf16).
+    """
+
+    group_size: int = 2
+    rank_mode: str = "fraction"
+    rank_fraction: float = 0.25
+    energy: float = 0.95
+    ratio: float = 4.0
+    min_rank: int = 1
+    refresh_every: int = 1
+    keys_pre_rope: bool = True
+    gradient: str = "exact"
+    cache_dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        _int(self, "group_size", 1, 4)
+        _choice(self, "rank_mode", ("fraction", "energy", "ratio"))
+        _range(self, "rank_fraction", 0.0, 1.0, lo_open=True)
+        _range(self, "energy", 0.0, 1.0, lo_open=True)
+        _range(self, "ratio", 1.0, 64.0)
+        _int(self, "min_rank", 1, 1 << 16)
+        _int(self, "refresh_every", 1, 1 << 20)
+        _bool(self, "keys_pre_rope")
+        _choice(self, "gradient", ("exact", "causal"))
+        _int(self, "cache_dtype_bytes", 1, 8)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> XKVConfig:
+        """Build from a mapping (e.g. a YAML ``compress.xkv`` section); unknown keys raise."""
+        data = dict(data or {})
+        _reject_unknown(cls, data, "XKVConfig")
+        return cls(**data)

@@ -32,7 +32,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from unicache_train.compress.base import CompressionInput, KVCompressor, KVSegment, QuantizedKV
+from unicache_train.compress.base import (
+    CompressionInput,
+    KVCompressor,
+    KVSegment,
+    LowRankKV,
+    QuantizedKV,
+)
 from unicache_train.compress.quantize import dequantize
 from unicache_train.model.kv_cache import KVCache
 
@@ -62,6 +68,9 @@ class StoredSegment:
         counts: [B, M] float, original tokens per entry (attention adds ``log(count)``).
         valid: [B, M] bool.
         context_tokens: [B] long, context length before compression (the byte baseline).
+        lowrank: the xKV factors; ``keys``/``values`` are then None and rebuilt on demand
+            (keys factorised before RoPE are rotated at ``positions``).
+        positions: [B, M] entry positions (read by ``lowrank`` pre-RoPE keys).
     """
 
     head_map: torch.Tensor
@@ -72,11 +81,27 @@ class StoredSegment:
     counts: torch.Tensor
     valid: torch.Tensor
     context_tokens: torch.Tensor
+    lowrank: LowRankKV | None = None
+    positions: torch.Tensor | None = None
 
     @classmethod
     def from_segment(cls, seg: KVSegment, context_tokens: torch.Tensor) -> StoredSegment:
-        """Keep one copy per head group (plus a head -> slot map); packed storage as is."""
+        """Keep one copy per head group (plus a head -> slot map); packed storage as is; the
+        factors of a low-rank (xKV) segment instead of its reconstruction."""
         B, Hk = seg.keys.shape[:2]
+        if seg.lowrank is not None:
+            return cls(
+                head_map=torch.arange(Hk, device=seg.keys.device).expand(B, Hk),
+                groups=torch.full((B,), Hk, dtype=torch.long, device=seg.keys.device),
+                quant=None,
+                keys=None,
+                values=None,
+                counts=seg.counts.detach(),
+                valid=seg.valid,
+                context_tokens=context_tokens,
+                lowrank=seg.lowrank.detach(),
+                positions=seg.positions,
+            )
         if seg.head_groups is None:
             head_map = torch.arange(Hk, device=seg.keys.device).expand(B, Hk)
             order = head_map
@@ -122,7 +147,10 @@ class StoredSegment:
         )
 
     def kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention view: keys, values [B, Hk, M, D] (dequantized on the fly)."""
+        """The attention view: keys, values [B, Hk, M, D] (dequantized, or rebuilt from
+        low-rank factors, on the fly)."""
+        if self.lowrank is not None:
+            return self._reconstruct(dtype)
         if self.quant is not None:
             k, v = dequantize(self.quant)  # [B, G, M, D] float32
         else:
@@ -136,12 +164,33 @@ class StoredSegment:
 
         return spread(k), spread(v)
 
+    def _reconstruct(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """xKV's selective reconstruction: this layer's K/V from the group's token factor and
+        its own factor, then RoPE at the entries' original positions (pre-RoPE keys)."""
+        from unicache_train.model.rope import apply_rope
+
+        low = self.lowrank
+        assert low is not None
+        k, v = low.reconstruct()  # [B, Hk, M, D] fp32
+        if low.pre_rope:
+            if low.rope is None or self.positions is None:
+                raise RuntimeError("a pre-RoPE low-rank segment needs its rope and positions")
+            cos, sin = low.rope(self.positions, torch.float32)  # [B, M, Dr]
+            d = cos.shape[-1]
+            if k.shape[-1] != d:  # MLA latent [c_kv ‖ k_pe]: only k_pe is rotated
+                k = torch.cat([k[..., :-d], apply_rope(k[..., -d:], cos, sin)], -1)
+            else:
+                k = apply_rope(k, cos, sin)
+        return k.to(dtype), v.to(dtype)
+
     def payload_bytes(self, cache_dtype_bytes: int = 2) -> int:
         """K/V bytes: valid entries x stored heads x (payload + scales), for K and for V.
 
         Floating segments count ``cache_dtype_bytes`` per element (the deployed cache dtype, not
         the fp32 of a CPU run), as the compressor's own ``kv_bytes`` stat does.
         """
+        if self.lowrank is not None:  # the factors, not the reconstruction
+            return int(self.lowrank.nbytes(self.valid, cache_dtype_bytes).sum().item())
         n = self.valid.sum(1).double()  # [B]
         g = self.groups.double()
         q = self.quant

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unicache_train.compress.base import KVCompressor
+from unicache_train.compress.base import KVCompressor, find_cross_layer
 from unicache_train.config import ModelConfig
 from unicache_train.model.attention import Attention
 from unicache_train.model.kv_cache import KVCache, new_kv_cache
@@ -143,7 +143,9 @@ class Decoder(nn.Module):
             split: [B] first continuation token of each sample; with ``compressor``, the context
                 ``[0, split)`` is prefilled, compressed at every layer, and the continuation
                 attends to the compressed cache (see :mod:`unicache_train.model.attention`).
-            compressor: the KV compressor called at the attention seam.
+            compressor: the KV compressor called at the attention seam. A cross-layer one
+                (xKV, ``cross_layer = True``) is prepared first: the context is prefilled
+                through every layer and its factors fitted, then this forward runs with it.
 
         Returns:
             :class:`DecoderOutput` with logits [B, T, V].
@@ -154,6 +156,21 @@ class Decoder(nn.Module):
             raise ValueError("split and compressor go together: pass both or neither")
         if split is not None and cache is not None:
             raise ValueError("the in-loop compression forward does not use a decoding cache")
+        cross = find_cross_layer(compressor) if compressor is not None else None
+        if cross is not None and not cross.prepared:
+            # NOTE: a cross-layer compressor (xKV) needs every layer's context K/V before the
+            # seam asks it for any layer: it first prefills the context through the whole stack
+            # (a nested call of this forward with a recording compressor) and fits its factors;
+            # then this forward runs with it serving each layer. Context rows never depend on
+            # the compressed cache, so both passes compute the same context.
+            cross.prepare(self, input_ids, split=split, inputs_embeds=inputs_embeds,
+                          modality_ids=modality_ids, positions=positions)
+            try:
+                return self.forward(input_ids, inputs_embeds=inputs_embeds,
+                                    modality_ids=modality_ids, positions=positions, split=split,
+                                    compressor=compressor)
+            finally:
+                cross.release()
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, C]
         B, T = x.shape[:2]
         if positions is None:

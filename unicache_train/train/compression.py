@@ -48,15 +48,29 @@ IGNORE_INDEX = -100
 
 
 def build_compressor(config: CompressionTrainConfig) -> KVCompressor:
-    """The compressor a run trains with: UniCache (on a private copy of the config, so that the
-    curriculum's ``set_rate_scale`` never edits the run config) or the identity."""
+    """The compressor a run trains with: UniCache, xKV, UniCache then xKV, or the identity (on
+    private copies of the configs, so that the curriculum's ``set_rate_scale`` never edits the
+    run config). For ``unicache+xkv`` UniCache's head merging and quantization are switched off
+    (xKV factorises the kept entries across heads and layers and stores 16-bit factors)."""
     if config.method == "none":
         return IdentityCompressor()
     from unicache_train.compress import UniCacheCompressor, UniCacheConfig
+    from unicache_train.compress.config import XKVConfig
 
     cfg = config.unicache
     assert isinstance(cfg, UniCacheConfig)  # resolved by CompressionTrainConfig.__post_init__
-    return UniCacheCompressor(UniCacheConfig.from_dict(cfg.to_dict()))
+    if config.method == "unicache":
+        return UniCacheCompressor(UniCacheConfig.from_dict(cfg.to_dict()))
+    from unicache_train.compress.xkv import XKVCompressor
+
+    assert isinstance(config.xkv, XKVConfig)
+    xkv = XKVConfig.from_dict(config.xkv.to_dict())
+    if config.method == "xkv":
+        return XKVCompressor(xkv)
+    d = cfg.to_dict()
+    d["head_merge"]["enabled"] = False
+    d["quantize"]["bits"] = None
+    return XKVCompressor(xkv, token_compressor=UniCacheCompressor(UniCacheConfig.from_dict(d)))
 
 
 def step_generator(seed: int, step: int, rank: int = 0, micro: int = 0) -> torch.Generator:
