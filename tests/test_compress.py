@@ -72,6 +72,7 @@ METHODS = {
     "full_fp": lambda: _no_quant(UniCacheConfig()),
     "full_int8": UniCacheConfig,
     "baseline": presets.text_style_baseline,
+    "baseline_pooled": presets.text_style_pooled,
     "long_video": lambda: presets.long_video(patches_per_frame=8),
     "dense_doc_qa": presets.dense_doc_qa,
     "realtime": presets.realtime,

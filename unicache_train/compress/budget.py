@@ -14,6 +14,12 @@
 Fixed per-modality rates (presets) replace step 2 for that modality and follow the layer
 curve (``fixed * R / target_rate``); the density rule shares the rest among the others.
 
+``allocation="pooled"`` replaces all of this by one global competition (the text-style baseline
+``presets.text_style_pooled``): the ``round(R * N)`` context tokens of a sample with the lowest
+importance scores are what a text KV method's top-k would drop, and each modality's rate is the
+share of its own tokens among them (no caps). With attention normalized globally, diluted visual
+attention puts most visual tokens at the bottom of that ranking (source §2.3, §5.1).
+
 Shape legend: B, T, H, D, 3 = batch, tokens, KV heads, head dim, modalities.
 """
 
@@ -27,11 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from unicache_train.compress.base import NUM_MODALITIES
-from unicache_train.compress.common import modality_counts
+from unicache_train.compress.common import grouped_rank, modality_counts
 from unicache_train.compress.config import BudgetConfig
 from unicache_train.compress.state import CompressionState
 
-__all__ = ["ModalityBudget", "modality_density", "allocate_rates"]
+__all__ = ["ModalityBudget", "modality_density", "allocate_rates", "pooled_rates"]
 
 
 @torch.no_grad()
@@ -117,6 +123,32 @@ def allocate_rates(
     return rates.clamp_min(0.0)
 
 
+@torch.no_grad()
+def pooled_rates(
+    scores: torch.Tensor,
+    modality_ids: torch.Tensor,
+    context_mask: torch.Tensor,
+    layer_rate: torch.Tensor,
+) -> torch.Tensor:
+    """Per-modality rates of one global ranking (``allocation="pooled"``).
+
+    Args:
+        scores: [B, T] importance (lower goes first; ties keep index order).
+        modality_ids: [B, T]; context_mask: [B, T] bool.
+        layer_rate: [B] rate R of the layer.
+
+    Returns:
+        [B, 3] ``dropped_m / n_m`` (0 for absent modalities), where the dropped tokens are the
+        ``round(R * N)`` lowest-scored context tokens of the sample.
+    """
+    n = context_mask.sum(1)  # [B]
+    k = torch.floor(layer_rate.float() * n.float() + 0.5).long()  # [B]
+    rank = grouped_rank(scores.float(), torch.zeros_like(modality_ids), context_mask, 1)
+    drop = context_mask & (rank < k[:, None])
+    counts = modality_counts(modality_ids, context_mask).float()
+    return modality_counts(modality_ids, drop).float() / counts.clamp_min(1.0)
+
+
 @dataclass
 class ModalityBudget(BudgetConfig):
     """Pipeline step: ``state.modality_rates`` (the layer rate for every modality if disabled).
@@ -132,6 +164,12 @@ class ModalityBudget(BudgetConfig):
         counts = modality_counts(state.modality_ids, state.context_mask)
         if not self.enabled:
             state.modality_rates = R[:, None].expand(B, NUM_MODALITIES) * (counts > 0)
+            return state
+        if self.allocation == "pooled":
+            # Without an importance step every score is 0: the ranking falls back to position.
+            scores = state.scores if state.scores is not None else torch.zeros_like(R)[:, None]
+            scores = scores.expand_as(state.context_mask)
+            state.modality_rates = pooled_rates(scores, state.modality_ids, state.context_mask, R)
             return state
         rho = modality_density(
             state.keys, state.values, state.modality_ids, state.context_mask, self.density_floor

@@ -161,6 +161,11 @@ class BudgetConfig:
             rate at the reference ``target_rate`` and follows the layer curve
             (``fixed * layer_rate / target_rate``); the other modalities share the rest.
         density_floor: smallest density used (a modality of identical tokens has density 0).
+        allocation: ``"density"`` (the method: rates inversely proportional to density, capped)
+            or ``"pooled"`` (what a text KV method's global top-k does: every context token of a
+            sample competes in one ranking of the importance scores, and each modality loses
+            the tokens it has among the lowest ``R * N``; no caps, no fixed rates). Pooled
+            selection exists as a baseline (``presets.text_style_pooled``).
     """
 
     enabled: bool = True
@@ -171,6 +176,7 @@ class BudgetConfig:
     vision_rate: float | None = None
     audio_rate: float | None = None
     density_floor: float = 0.05
+    allocation: str = "density"
 
     def __post_init__(self) -> None:
         _bool(self, "enabled")
@@ -180,6 +186,7 @@ class BudgetConfig:
         _optional_rate(self, "vision_rate", self.vision_cap)
         _optional_rate(self, "audio_rate", self.audio_cap)
         _range(self, "density_floor", 0.0, 1.0, lo_open=True)
+        _choice(self, "allocation", ("density", "pooled"))
 
     @property
     def caps(self) -> tuple[float, float, float]:

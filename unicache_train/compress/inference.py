@@ -363,6 +363,7 @@ def prefill_compressed(
     compressor: KVCompressor,
     *,
     modality_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
     cache_dtype_bytes: int = 2,
 ) -> tuple[CompressedKVCache, torch.Tensor]:
     """Prefill the prompts ``input_ids[b, :split[b]]`` and compress every layer's cache.
@@ -374,6 +375,10 @@ def prefill_compressed(
         split: prompt length per sample, an int or [B] (each in ``[1, P]``).
         compressor: the KV compressor (the same object training used).
         modality_ids: [B, P] (default: text).
+        inputs_embeds: [B, P, C] prompt embeddings to prefill instead of embedding
+            ``input_ids`` (e.g. text with projected image patches at the vision positions,
+            :meth:`~unicache_train.model.vlm.VisionLanguageModel.embed`); ``input_ids`` still
+            gives the shape and the decoded tokens are embedded as usual.
         cache_dtype_bytes: bytes per element of the deployed floating cache (accounting).
 
     Returns:
@@ -388,7 +393,16 @@ def prefill_compressed(
     ids = input_ids[:, :P]
     mods = modality_ids[:, :P] if modality_ids is not None else None
     capture = _CaptureSegments(compressor)
-    out = model(ids, modality_ids=mods, split=split_t, compressor=capture)
+    if inputs_embeds is not None:
+        if tuple(inputs_embeds.shape[:2]) != tuple(input_ids.shape):
+            raise ValueError(
+                f"inputs_embeds of shape {tuple(inputs_embeds.shape)} do not match input_ids "
+                f"{tuple(input_ids.shape)}: expected [B, P, C]"
+            )
+        embeds = inputs_embeds[:, :P]
+        out = model(inputs_embeds=embeds, modality_ids=mods, split=split_t, compressor=capture)
+    else:
+        out = model(ids, modality_ids=mods, split=split_t, compressor=capture)
     cache = CompressedKVCache(model.config.num_hidden_layers, cache_dtype_bytes)
     for layer_idx, (seg, n_ctx) in capture.segments.items():
         cache.set_segment(layer_idx, StoredSegment.from_segment(seg, n_ctx))
@@ -413,12 +427,14 @@ def decode_teacher_forced(
     compressor: KVCompressor,
     *,
     modality_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, CompressedKVCache]:
     """Prefill ``[0, split)``, compress, then feed the continuation one token at a time.
 
     Args:
         input_ids: [B, T].
         split: int or [B].
+        inputs_embeds: [B, T, C] prompt embeddings (see :func:`prefill_compressed`).
 
     Returns:
         (logits [B, T, V] with NaN before position ``split[b] - 1``, the cache).
@@ -426,8 +442,9 @@ def decode_teacher_forced(
     B, T = input_ids.shape
     split_t = _as_split(split, B, input_ids.device)
     cache, first = prefill_compressed(
-        model, input_ids, split_t, compressor, modality_ids=modality_ids
-    )
+        model, input_ids, split_t, compressor, modality_ids=modality_ids,
+        inputs_embeds=inputs_embeds,
+    )  # fmt: skip
     V = first.shape[-1]
     out = torch.full((B, T, V), float("nan"), dtype=first.dtype, device=first.device)
     rows = torch.arange(B, device=input_ids.device)
@@ -464,6 +481,7 @@ def generate_compressed(
     *,
     eos_token_id: int | None = None,
     modality_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
 ) -> CompressedGeneration:
     """Greedy decoding after the prompts ``input_ids[b, :split[b]]``, on the compressed cache.
 
@@ -474,6 +492,8 @@ def generate_compressed(
         compressor: the KV compressor.
         max_new_tokens: tokens to generate (N).
         eos_token_id: once emitted, a sequence keeps emitting it.
+        modality_ids: [B, P] of the prompts (default: text).
+        inputs_embeds: [B, P, C] prompt embeddings (see :func:`prefill_compressed`).
 
     Returns:
         :class:`CompressedGeneration`.
@@ -483,8 +503,9 @@ def generate_compressed(
     B = input_ids.shape[0]
     split_t = _as_split(split, B, input_ids.device)
     cache, logits = prefill_compressed(
-        model, input_ids, split_t, compressor, modality_ids=modality_ids
-    )
+        model, input_ids, split_t, compressor, modality_ids=modality_ids,
+        inputs_embeds=inputs_embeds,
+    )  # fmt: skip
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     out = []
     for i in range(max_new_tokens):

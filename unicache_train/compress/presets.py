@@ -15,6 +15,9 @@ arguments of the function or plain attribute edits afterwards.
 * :func:`text_style_baseline`: what a text KV method does to a multimodal cache (the comparison
   point of the evaluation): attention normalized over all tokens, one uniform rate for every
   modality, no alignment protection. Everything else as the default.
+* :func:`text_style_pooled`: the same, but with one pooled budget instead of a uniform rate: all
+  context tokens compete in one ranking of the (globally normalized) scores, as a text method's
+  global top-k does, so a modality's share of the removal is decided by its scores.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ __all__ = [
     "dense_doc_qa",
     "realtime",
     "text_style_baseline",
+    "text_style_pooled",
     "PRESETS",
     "preset",
 ]
@@ -80,6 +84,15 @@ def text_style_baseline() -> UniCacheConfig:
     return _revalidate(cfg)
 
 
+def text_style_pooled() -> UniCacheConfig:
+    """Global normalization, one pooled budget (global top-k), no protection."""
+    cfg = UniCacheConfig()
+    cfg.importance.normalize = "global"
+    cfg.budget.allocation = "pooled"
+    cfg.protect.enabled = False
+    return _revalidate(cfg)
+
+
 def _revalidate(cfg: UniCacheConfig) -> UniCacheConfig:
     # Attribute edits bypass __post_init__: rebuild so a preset can never carry a bad value.
     return UniCacheConfig.from_dict(cfg.to_dict())
@@ -91,6 +104,7 @@ PRESETS: dict[str, Callable[[], UniCacheConfig]] = {
     "dense_doc_qa": dense_doc_qa,
     "realtime": realtime,
     "text_style_baseline": text_style_baseline,
+    "text_style_pooled": text_style_pooled,
 }
 
 
