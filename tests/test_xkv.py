@@ -2,6 +2,8 @@
 accounting of the factors, in-loop forward == prefill -> compress -> decode, gradients through
 the projection onto the detached basis, MLA, composition with UniCache, config, curriculum."""
 
+import math
+
 import pytest
 import torch
 
@@ -420,3 +422,52 @@ def test_train_config_methods() -> None:
         XKVCompressor(token_compressor=UniCacheCompressor(UniCacheConfig()))
     rc = RunConfig(compress=cc)
     assert RunConfig.from_dict(rc.to_dict()).compress.xkv == cc.xkv
+
+
+# ------------------------------------------------------------------ evaluation
+def test_evaluation_rows_at_equal_kv_bytes(tmp_path) -> None:
+    from unicache_train.config import DataConfig, SyntheticDataConfig
+    from unicache_train.data.tokenizer import load_tokenizer
+    from unicache_train.train.evaluate import (
+        CompressionEvalConfig,
+        evaluate_compression,
+        format_table,
+        write_outputs,
+    )
+
+    data = DataConfig(
+        seq_len=96,
+        batch_size=4,
+        pack=False,
+        val_fraction=0.25,
+        synthetic=SyntheticDataConfig(
+            num_stories=8, num_recall=8, recall_num_facts=3, recall_num_filler=0
+        ),
+    )
+    model = tiny(vocab_size=260, num_hidden_layers=2)
+    opts = CompressionEvalConfig(
+        rates=[],
+        xkv_ratios=[4.0, 8.0],
+        xkv={"group_size": 2},
+        xkv_token_rate=0.5,
+        quantize="int8",
+        num_recall=4,
+        limit_batches=1,
+        batch_size=4,
+    )
+    rows = evaluate_compression(model, load_tokenizer("byte"), data, text_style_baseline(), opts)
+    labels = [r["label"] for r in rows]
+    assert labels[0] == "uncompressed" and labels[1] == "xkv 4x g2"
+    assert labels[2] == "unicache 0.5 + xkv 4x g2" and labels[3].startswith("unicache @4x rate=")
+    by = {r["label"]: r for r in rows}
+    for ratio in (4, 8):
+        x = by[f"xkv {ratio}x g2"]
+        u = next(r for r in rows if r["label"].startswith(f"unicache @{ratio}x"))
+        # Measured on the real decoding caches of the recall prompts: factors / packed int8.
+        assert 0.6 / ratio < x["kv_bytes_ratio"] <= 1.0 / ratio
+        assert u["kv_bytes_ratio"] <= 1.15 / ratio and u["method"] == "unicache"
+        assert x["method"] == "xkv" and math.isnan(x["rate"]) and x["output_kl"] > 0
+        assert not math.isnan(x["attn_kl"]) and 0 <= x["recall_acc"] <= 1
+    assert "xkv 8x g2" in format_table(rows)
+    _, png = write_outputs(rows, tmp_path, "xkv_eval")
+    assert png.stat().st_size > 5000

@@ -29,6 +29,11 @@ quality checks, §8 targets):
 * **quality checks** (DESIGN §6): ``kl_ok`` (attn KL < 0.1), ``ppl_ok`` (perplexity at most +5%),
   ``acc_ok`` (recall accuracy at most 5 points lower), ``pass`` (all three).
 
+Besides UniCache at each rate, ``xkv_ratios`` adds xKV rows (cross-layer SVD, rank chosen so the
+stored factors take ``1 / ratio`` of the 16-bit cache) and, with ``match_unicache``, a UniCache
+row at the same KV bytes next to each (its target rate calibrated by bisection on the first
+batch), so the two methods compare at equal memory.
+
 Outputs: :func:`format_table`, :func:`write_outputs` (CSV + PNG plot of perplexity and accuracy
 against the rate) and logger metrics (``compress/ppl_delta``, ``compress/attn_kl``, ...).
 """
@@ -36,6 +41,7 @@ against the rate) and logger metrics (``compress/ppl_delta``, ``compress/attn_kl
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from unicache_train.compress.base import IdentityCompressor, KVCompressor, KVSegment
-from unicache_train.config import ConfigError, DataConfig, _choice, _int
+from unicache_train.config import ConfigError, DataConfig, _choice, _int, _range
 from unicache_train.model import Decoder
 from unicache_train.train.compression import (
     IGNORE_INDEX,
@@ -81,7 +87,7 @@ QUALITY_ACC_DROP_MAX = 0.05
 CSV_COLUMNS = (
     "label", "rate", "bits", "ppl", "ppl_uncompressed", "ppl_delta", "recall_acc",
     "recall_acc_uncompressed", "recall_acc_delta", "attn_kl", "output_kl", "kv_bytes_ratio",
-    "keep_ratio", "kl_ok", "ppl_ok", "acc_ok", "pass",
+    "keep_ratio", "kl_ok", "ppl_ok", "acc_ok", "pass", "method",
 )  # fmt: skip
 
 
@@ -139,6 +145,15 @@ class CompressionEvalConfig:
         min_context: smallest random split (as ``CompressionTrainConfig.min_context``).
         out_dir: where the CSV and the PNG go.
         name: file stem of the CSV and PNG.
+        xkv_ratios: KV-bytes reductions at which xKV is evaluated (e.g. ``[4, 8]``); empty:
+            no xKV rows. ``rates`` may then be empty.
+        xkv: :class:`~unicache_train.compress.config.XKVConfig` fields of those rows (e.g.
+            ``{"group_size": 4}``); ``rank_mode``/``ratio`` are set per row.
+        xkv_token_rate: also evaluate UniCache token compression (at this rate, head merging
+            and quantization off) followed by xKV at each ratio (``unicache+xkv`` rows);
+            None: not.
+        match_unicache: next to each xKV ratio, UniCache at the same KV bytes (rate
+            calibrated by bisection on the first batch, quantization per ``quantize``).
     """
 
     rates: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.6])
@@ -153,14 +168,35 @@ class CompressionEvalConfig:
     min_context: int = 16
     out_dir: str = "eval_compress"
     name: str = "compression_eval"
+    xkv_ratios: list[float] = field(default_factory=list)
+    xkv: dict[str, Any] = field(default_factory=dict)
+    xkv_token_rate: float | None = None
+    match_unicache: bool = True
 
     def __post_init__(self) -> None:
-        from unicache_train.compress.config import MAX_RATE
+        from unicache_train.compress.config import MAX_RATE, XKVConfig
         from unicache_train.compress.presets import PRESETS
 
-        if not isinstance(self.rates, (list, tuple)) or not self.rates:
+        if not isinstance(self.xkv_ratios, (list, tuple)):
+            raise ConfigError(
+                f"CompressionEvalConfig.xkv_ratios={self.xkv_ratios!r}: expected a list of "
+                "KV-bytes reductions in [1, 64]"
+            )
+        for r in self.xkv_ratios:
+            XKVConfig(**{**self.xkv, "rank_mode": "ratio", "ratio": r})  # validates both
+        if not self.xkv_ratios:
+            XKVConfig(**self.xkv)
+        self.xkv_ratios = [float(r) for r in self.xkv_ratios]
+        if self.xkv_token_rate is not None:
+            _range(self, "xkv_token_rate", 0.0, MAX_RATE)
+        if not isinstance(self.match_unicache, bool):
+            raise ConfigError(
+                f"CompressionEvalConfig.match_unicache={self.match_unicache!r}: expected a bool"
+            )
+        if not isinstance(self.rates, (list, tuple)) or not (self.rates or self.xkv_ratios):
             raise ConfigError(
                 f"CompressionEvalConfig.rates={self.rates!r}: expected a non-empty list of rates"
+                " (or give xkv_ratios)"
             )
         for r in self.rates:
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= MAX_RATE:
@@ -336,6 +372,138 @@ def recall_accuracy(
 
 
 # --------------------------------------------------------------------------------- main loop
+@dataclass
+class _Setting:
+    """One compressed row of the evaluation: its label, method, token rate, bits, compressor."""
+
+    label: str
+    method: str
+    rate: float
+    bits: int | None
+    compressor: KVCompressor
+
+
+def _batch_inputs(batch: dict[str, torch.Tensor], device, opts, batch_idx: int):
+    """ids, labels, modality ids and the evaluation split of one perplexity batch."""
+    ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+    mods = batch.get("modality_ids")
+    mods = mods.to(device) if mods is not None else None
+    data_split = batch.get("split")
+    split = sample_splits(
+        labels,
+        data_split.to(device) if data_split is not None else None,
+        min_context=opts.min_context,
+        generator=step_generator(opts.split_seed, batch_idx),
+    )
+    return ids, labels, mods, split
+
+
+def _stat_bytes(per_layer: Sequence[dict[str, torch.Tensor]]) -> tuple[float, float]:
+    """(stored KV bytes, uncompressed 16-bit bytes) of one compressed forward, from the
+    compressor's per-layer stats (``kv_bytes`` over ``kv_bytes_ratio``)."""
+    kv = base = 0.0
+    for st in per_layer:
+        k, r = float(st["kv_bytes"]), float(st["kv_bytes_ratio"])
+        kv += k
+        base += k / r if r > 0 else 0.0
+    return kv, base
+
+
+@torch.no_grad()
+def _measured_ratio(
+    model: Decoder, batch: dict[str, torch.Tensor], comp: KVCompressor, opts
+) -> float:
+    """Stored KV bytes / 16-bit bytes of one in-loop forward of ``comp`` on ``batch``."""
+    device = next(model.parameters()).device
+    ids, _, mods, split = _batch_inputs(batch, device, opts, 0)
+    kv, base = _stat_bytes(model(ids, modality_ids=mods, split=split, compressor=comp).compression)
+    return kv / max(base, 1.0)
+
+
+@torch.no_grad()
+def unicache_rate_for_bytes(
+    model: Decoder,
+    batch: dict[str, torch.Tensor],
+    base_unicache: Any,
+    kv_bytes_ratio: float,
+    quantize: str = "config",
+    *,
+    opts: CompressionEvalConfig | None = None,
+    iters: int = 12,
+) -> float:
+    """The UniCache target rate whose stored KV bytes (stats of one in-loop forward on
+    ``batch``) are at most ``kv_bytes_ratio`` of the 16-bit cache: the smallest such rate by
+    bisection on ``[0, MAX_RATE]`` (bytes fall as the rate rises). MAX_RATE if none reaches it.
+    """
+    from unicache_train.compress import UniCacheCompressor
+    from unicache_train.compress.config import MAX_RATE
+
+    o = opts or CompressionEvalConfig()
+    device = next(model.parameters()).device
+    ids, _, mods, split = _batch_inputs(batch, device, o, 0)
+
+    def ratio(rate: float) -> float:
+        comp = UniCacheCompressor(unicache_at_rate(base_unicache, rate, quantize))
+        out = model(ids, modality_ids=mods, split=split, compressor=comp)
+        kv, base = _stat_bytes(out.compression)
+        return kv / max(base, 1.0)
+
+    lo, hi = 0.0, MAX_RATE
+    if ratio(hi) > kv_bytes_ratio:
+        return hi
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        if ratio(mid) > kv_bytes_ratio:
+            lo = mid
+        else:
+            hi = mid
+    return round(hi, 4)
+
+
+def _settings(
+    model: Decoder,
+    base_unicache: Any,
+    opts: CompressionEvalConfig,
+    first_batch: dict[str, torch.Tensor] | None,
+) -> list[_Setting]:
+    """The compressed rows: UniCache at each rate; per xKV ratio: xKV, optionally UniCache
+    tokens + xKV, optionally UniCache at the same bytes."""
+    from unicache_train.compress import UniCacheCompressor
+    from unicache_train.compress.config import UniCacheConfig, XKVConfig
+    from unicache_train.compress.xkv import XKVCompressor
+
+    out = []
+    for r in opts.rates:
+        cfg = unicache_at_rate(base_unicache, r, opts.quantize)
+        bits = cfg.quantize.bits if cfg.quantize.active else None
+        label = f"rate={cfg.target_rate:g}" + (f" int{bits}" if bits else "")
+        out.append(_Setting(label, "unicache", cfg.target_rate, bits, UniCacheCompressor(cfg)))
+    for ratio in opts.xkv_ratios:
+        xcfg = XKVConfig(**{**opts.xkv, "rank_mode": "ratio", "ratio": ratio})
+        g = xcfg.group_size
+        xkv = XKVCompressor(xcfg)
+        out.append(_Setting(f"xkv {ratio:g}x g{g}", "xkv", math.nan, None, xkv))
+        if opts.xkv_token_rate is not None:
+            d = unicache_at_rate(base_unicache, opts.xkv_token_rate, "none").to_dict()
+            d["head_merge"]["enabled"] = False
+            tok = UniCacheCompressor(UniCacheConfig.from_dict(d))
+            both = XKVCompressor(XKVConfig(**{**xcfg.to_dict(), "gradient": "exact"}), tok)
+            label = f"unicache {opts.xkv_token_rate:g} + xkv {ratio:g}x g{g}"
+            out.append(_Setting(label, "unicache+xkv", opts.xkv_token_rate, None, both))
+        if opts.match_unicache and first_batch is not None:
+            # NOTE: matched to the bytes xKV really stores on this batch (rank rounding keeps it
+            # at or below 1 / ratio), not to the nominal ratio.
+            target = _measured_ratio(model, first_batch, xkv, opts)
+            rate = unicache_rate_for_bytes(
+                model, first_batch, base_unicache, target, opts.quantize, opts=opts
+            )
+            cfg = unicache_at_rate(base_unicache, rate, opts.quantize)
+            bits = cfg.quantize.bits if cfg.quantize.active else None
+            label = f"unicache @{ratio:g}x rate={rate:.3g}" + (f" int{bits}" if bits else "")
+            out.append(_Setting(label, "unicache", rate, bits, UniCacheCompressor(cfg)))
+    return out
+
+
 @torch.no_grad()
 def evaluate_compression(
     model: Decoder,
@@ -347,10 +515,10 @@ def evaluate_compression(
     logger: Any | None = None,
     loader: Iterable[dict[str, torch.Tensor]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Quality under compression at each rate (see the module docstring).
+    """Quality under compression at each rate and xKV ratio (see the module docstring).
 
     Args:
-        model: the decoder (GQA; set to eval mode here).
+        model: the decoder (GQA; MLA without recall and attention KL; set to eval mode here).
         tokenizer: the data's tokenizer (recall prompts are encoded with it).
         data: data config of the perplexity batches (validation split) and of the recall task
             format (``data.synthetic``).
@@ -360,15 +528,13 @@ def evaluate_compression(
         loader: perplexity batches (default: ``LMDataModule(data).val_dataloader()``).
 
     Returns:
-        One dict per row with :data:`CSV_COLUMNS`: first ``uncompressed``, then one per rate.
+        One dict per row with :data:`CSV_COLUMNS`: first ``uncompressed``, then one per
+        setting (UniCache rates, then per xKV ratio: xKV, UniCache + xKV, UniCache at the same
+        bytes).
     """
-    from unicache_train.compress import UniCacheCompressor
-
     opts = options or CompressionEvalConfig()
     model.eval()
     device = next(model.parameters()).device
-    cfgs = [unicache_at_rate(base_unicache, r, opts.quantize) for r in opts.rates]
-    comps: list[KVCompressor] = [UniCacheCompressor(c) for c in cfgs]
     n_layers = min(opts.attn_kl_layers, model.config.num_hidden_layers)
     gqa = model.config.attention_type != "mla"
 
@@ -378,6 +544,9 @@ def evaluate_compression(
         dm = LMDataModule(data, tokenizer=tokenizer)
         dm.setup("validate")
         loader = dm.val_dataloader()
+    batches = list(itertools.islice(iter(loader), opts.limit_batches))
+    settings = _settings(model, base_unicache, opts, batches[0] if batches else None)
+    comps = [st.compressor for st in settings]
     R = len(comps)
     nll_plain = 0.0
     nll = [0.0] * R
@@ -385,21 +554,12 @@ def evaluate_compression(
     attn_kl = [0.0] * R
     attn_n = [0] * R
     keep = [0.0] * R
+    stat_kv = [0.0] * R
+    stat_base = [0.0] * R
     tokens = 0
     n_batches = 0
-    for batch_idx, batch in enumerate(loader):
-        if batch_idx >= opts.limit_batches:
-            break
-        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-        mods = batch.get("modality_ids")
-        mods = mods.to(device) if mods is not None else None
-        data_split = batch.get("split")
-        split = sample_splits(
-            labels,
-            data_split.to(device) if data_split is not None else None,
-            min_context=opts.min_context,
-            generator=step_generator(opts.split_seed, batch_idx),
-        )
+    for batch_idx, batch in enumerate(batches):
+        ids, labels, mods, split = _batch_inputs(batch, device, opts, batch_idx)
         cont = continuation_mask(split, ids.shape[1])
         target = cont & (labels != IGNORE_INDEX)
         qmask = (torch.arange(ids.shape[1], device=device)[None] >= split[:, None]) & (
@@ -429,6 +589,9 @@ def evaluate_compression(
             keep[i] += float(
                 sum(float(s["keep_ratio"]) for s in out.compression) / max(len(out.compression), 1)
             )
+            kv, base = _stat_bytes(out.compression)
+            stat_kv[i] += kv
+            stat_base[i] += base
             if cap is not None:
                 for layer_idx, comp_in in cap.inputs.items():
                     attn = model.layers[layer_idx].self_attn
@@ -482,26 +645,30 @@ def evaluate_compression(
             1.0,
         )
     ]
-    for i, (cfg, comp) in enumerate(zip(cfgs, comps)):
-        acc, ratio = nan, nan
+    rows[0]["method"] = "none"
+    for i, st in enumerate(settings):
+        acc = nan
+        # Without recall: the compressor's own byte accounting on the perplexity batches.
+        ratio = stat_kv[i] / stat_base[i] if stat_base[i] > 0 else nan
         if records and gqa:
-            acc, ratio, _ = recall_accuracy(model, tokenizer, records, comp, opts.batch_size)
-        bits = cfg.quantize.bits if cfg.quantize.active else None
-        rows.append(
-            _row(
-                f"rate={cfg.target_rate:g}" + (f" int{bits}" if bits else ""),
-                cfg.target_rate,
-                bits,
-                math.exp(min(nll[i] / tokens, 50.0)),
-                ppl_plain,
-                acc,
-                acc_plain,
-                attn_kl[i] / max(attn_n[i], 1) if gqa else nan,
-                out_kl[i] / tokens,
-                ratio,
-                keep[i] / max(n_batches, 1),
+            acc, ratio, _ = recall_accuracy(
+                model, tokenizer, records, st.compressor, opts.batch_size
             )
+        row = _row(
+            st.label,
+            st.rate,
+            st.bits,
+            math.exp(min(nll[i] / tokens, 50.0)),
+            ppl_plain,
+            acc,
+            acc_plain,
+            attn_kl[i] / max(attn_n[i], 1) if gqa else nan,
+            out_kl[i] / tokens,
+            ratio,
+            keep[i] / max(n_batches, 1),
         )
+        row["method"] = st.method
+        rows.append(row)
     if logger is not None:
         log_rows(rows, logger)
     return rows
@@ -613,15 +780,17 @@ def _plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")  # NOTE: before pyplot is imported; no display on servers and CI
     import matplotlib.pyplot as plt
 
-    comp = [r for r in rows if r["label"] != "uncompressed"]
+    comp = [r for r in rows if r["label"] != "uncompressed" and not math.isnan(r["rate"])]
+    comp = sorted(comp, key=lambda r: r["rate"])
     base = next((r for r in rows if r["label"] == "uncompressed"), None)
+    by_bytes = any(r.get("method", "unicache") not in ("unicache", "none") for r in rows)
+    fig, axes = plt.subplots(1, 3 if by_bytes else 2, figsize=(15 if by_bytes else 10, 4))
     x = [r["rate"] for r in comp]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title in (
         (axes[0], "ppl", "perplexity on continuations"),
         (axes[1], "recall_acc", "key-value recall accuracy"),
     ):
-        ax.plot(x, [r[key] for r in comp], "o-", label="compressed")
+        ax.plot(x, [r[key] for r in comp], "o-", label="UniCache")
         if base is not None and not math.isnan(base[key]):
             ax.axhline(base[key], ls="--", color="gray", label="uncompressed")
         for r in comp:
@@ -639,6 +808,21 @@ def _plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
         ax.set_title(title)
         ax.legend()
     axes[1].set_ylim(-0.02, 1.02)
+    if by_bytes:
+        ax = axes[2]
+        methods = sorted({r.get("method", "unicache") for r in rows} - {"none"})
+        for m in methods:
+            pts = sorted(
+                (1 / r["kv_bytes_ratio"], r["ppl"])
+                for r in rows
+                if r.get("method", "unicache") == m and r["kv_bytes_ratio"] > 0
+            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=m)
+        if base is not None:
+            ax.axhline(base["ppl"], ls="--", color="gray", label="uncompressed")
+        ax.set_xlabel("KV bytes reduction (x, stored bytes incl. factors / scales)")
+        ax.set_title("perplexity at equal KV bytes")
+        ax.legend()
     fig.suptitle("quality under KV compression (annotations: KV bytes reduction)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
