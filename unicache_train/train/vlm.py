@@ -1,0 +1,258 @@
+"""Vision-language training: the run config, the LightningModule and ``fit`` for a
+:class:`~unicache_train.model.vlm.VisionLanguageModel`.
+
+:class:`VLMModule` is :class:`~unicache_train.train.module.LMModule` with another model and
+batches that carry images: it overrides only ``build_model`` and ``model_forward``, so
+the in-loop compression (per-sample splits, loss on the continuation, KL to the uncompressed
+forward, rate curriculum), validation perplexity, checkpointing and the optimizer groups are the
+text path's, unchanged. Validation adds the teacher-forced exact match of the answer per task
+type (``val/answer_acc/<task>``: every answer token is the argmax given the gold prefix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import yaml
+
+from unicache_train.config import (
+    CompressionTrainConfig,
+    ConfigError,
+    LoggingConfig,
+    ModelConfig,
+    MonitorConfig,
+    TrainConfig,
+    _build,
+    apply_overrides,
+)
+from unicache_train.data.multimodal import MultimodalDataConfig, MultimodalDataModule
+from unicache_train.data.scenes import TASKS
+from unicache_train.model.vision import VisionConfig
+from unicache_train.model.vlm import VisionLanguageModel
+from unicache_train.train.compression import IGNORE_INDEX
+from unicache_train.train.module import LMModule
+
+__all__ = ["VLMRunConfig", "VLMModule", "fit_vlm", "load_vlm_checkpoint", "answer_exact_match"]
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "vision": VisionConfig,
+    "data": MultimodalDataConfig,
+    "train": TrainConfig,
+    "logging": LoggingConfig,
+    "monitor": MonitorConfig,
+    "compress": CompressionTrainConfig,
+}
+
+
+@dataclass
+class VLMRunConfig:
+    """A vision-language run: :class:`~unicache_train.config.RunConfig`'s sections with a
+    ``vision`` section and multimodal ``data`` (:class:`MultimodalDataConfig`)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    data: MultimodalDataConfig = field(default_factory=MultimodalDataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    compress: CompressionTrainConfig = field(default_factory=CompressionTrainConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"VLMRunConfig.{name}: expected a {cls.__name__} (a mapping)")
+        sc = self.data.scenes
+        if self.data.source == "synthetic" and sc.image_size != self.vision.image_size:
+            raise ConfigError(
+                f"data.scenes.image_size={sc.image_size} must equal vision.image_size="
+                f"{self.vision.image_size} (the tower's input size)"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> VLMRunConfig:
+        """Build from a nested mapping; unknown sections or fields raise naming them."""
+        data = dict(data or {})
+        unknown = sorted(set(data) - set(_SECTIONS))
+        if unknown:
+            raise ConfigError(f"unknown section(s) {unknown}; known: {sorted(_SECTIONS)}")
+        kwargs = {
+            name: _build(_SECTIONS[name], value, name) if isinstance(value, dict) else value
+            for name, value in data.items()
+        }
+        return cls(**kwargs)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: list[str] | None = None) -> VLMRunConfig:
+        """Read a YAML config and apply ``section.field=value`` overrides."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+        apply_overrides(data, overrides or [])
+        return cls.from_dict(data)
+
+
+def answer_exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced exact match per row: every labelled target is the argmax.
+
+    Args:
+        logits: [B, T, V]; labels: [B, T] (-100 = not scored).
+
+    Returns:
+        [B] bool (False for rows without labels).
+    """
+    scored = labels != IGNORE_INDEX
+    hit = (logits.argmax(-1) == labels) | ~scored
+    return hit.all(1) & scored.any(1)
+
+
+class VLMModule(LMModule):
+    """:class:`LMModule` for a :class:`VisionLanguageModel` (see the module docstring)."""
+
+    def __init__(self, config: VLMRunConfig | dict[str, Any]) -> None:
+        if isinstance(config, dict):
+            config = VLMRunConfig.from_dict(config)
+        super().__init__(config)  # type: ignore[arg-type]  # duck-typed RunConfig
+
+    def build_model(self) -> VisionLanguageModel:
+        return VisionLanguageModel(self.config.model, self.config.vision)
+
+    def _load_init_weights(self, path: str) -> None:
+        """Start from a text decoder's (or a whole VLM's) ``.safetensors`` weights: every decoder
+        tensor must load; only the vision tower and the projector may be missing."""
+        from safetensors.torch import load_file
+
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"TrainConfig.init_weights={path!r}: no such file")
+        state = load_file(path)
+        if self.config.model.tie_word_embeddings and "embed_tokens.weight" in state:
+            state.setdefault("lm_head.weight", state["embed_tokens.weight"])
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith(("vision_tower.", "projector."))]
+        if missing or unexpected:
+            raise RuntimeError(
+                f"TrainConfig.init_weights={path!r} does not fit the decoder: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+
+    def model_forward(self, batch: dict[str, torch.Tensor], **kwargs):
+        return self.model(
+            batch["input_ids"],
+            pixel_values=batch.get("pixel_values"),
+            image_mask=batch.get("image_mask"),
+            modality_ids=batch.get("modality_ids"),
+            **kwargs,
+        )
+
+    # ---------------------------------------------------------------------------- validation
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = super().forward(batch)
+        # NOTE: kept for validation_step, which scores the logits LMModule's step computed
+        # (one forward per validation batch instead of two).
+        self._last_logits = logits.detach()
+        return logits
+
+    def on_validation_epoch_start(self) -> None:
+        super().on_validation_epoch_start()
+        self._val_acc = torch.zeros(2, len(TASKS), device=self.device)  # correct, total
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        task = batch.get("task_ids")
+        if task is None:
+            return
+        em = answer_exact_match(self._last_logits, batch["labels"]).float()
+        known = task >= 0
+        idx = task.clamp_min(0)
+        self._val_acc[0].index_add_(0, idx[known], em[known])
+        self._val_acc[1].index_add_(0, idx[known], torch.ones_like(em[known]))
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        acc = self._val_acc
+        if self.trainer.world_size > 1:
+            acc = self.trainer.strategy.reduce(acc, reduce_op="sum")
+        for i, task in enumerate(TASKS):
+            if acc[1, i] > 0:
+                self.log(f"val/answer_acc/{task}", acc[0, i] / acc[1, i], sync_dist=False)
+        if acc[1].sum() > 0:
+            self.log("val/answer_acc", acc[0].sum() / acc[1].sum(), prog_bar=True,
+                     sync_dist=False)  # fmt: skip
+
+
+def fit_vlm(config: VLMRunConfig, callbacks: list[L.Callback] | None = None) -> L.Trainer:
+    """Train (or resume) a vision-language model as the config says; return the Trainer."""
+    from unicache_train.train.run import (
+        _finish_wandb,
+        apply_launcher_env,
+        build_trainer,
+        resolve_resume,
+    )
+    from unicache_train.train.strategies import parallelize_model
+
+    config = apply_launcher_env(config)  # type: ignore[arg-type]
+    L.seed_everything(config.train.seed, workers=True, verbose=False)
+    ckpt_path = resolve_resume(config)  # type: ignore[arg-type]
+    vc = config.vision
+    datamodule = MultimodalDataModule(config.data, vc.image_size, vc.num_patches)
+    module = VLMModule(config)
+    parallelize_model(module.model, config)  # type: ignore[arg-type]
+    trainer = build_trainer(config, callbacks)  # type: ignore[arg-type]
+    if trainer.is_global_zero:
+        config.save(Path(config.train.out_dir) / "config.yaml")
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    finally:
+        _finish_wandb()
+    return trainer
+
+
+def load_vlm_checkpoint(
+    path: str | Path, map_location: str = "cpu"
+) -> tuple[VisionLanguageModel, VLMRunConfig]:
+    """A :class:`VisionLanguageModel` (eval mode) and its config from a ``.ckpt`` of
+    :func:`fit_vlm` (the resolved config travels in ``hyper_parameters["config"]``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    ckpt = torch.load(path, map_location=map_location, weights_only=False)  # our own file
+    hparams = ckpt.get("hyper_parameters", {})
+    if "config" not in hparams or "vision" not in hparams["config"]:
+        raise ValueError(f"{path}: not a vision-language checkpoint (no config.vision)")
+    config = VLMRunConfig.from_dict(hparams["config"])
+    model = VisionLanguageModel(config.model, config.vision)
+    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
+             if k.startswith("model.")}  # fmt: skip
+    model.load_state_dict(state)
+    model.eval()
+    return model, config
+
+
+def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - thin CLI
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: python -m unicache_train.train.vlm CONFIG.yaml [section.field=value ...]")
+        return
+    fit_vlm(VLMRunConfig.load(args[0], overrides=args[1:]))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main()
