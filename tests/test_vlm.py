@@ -19,6 +19,7 @@ from unicache_train.data.multimodal import (
     MultimodalDataConfig,
     MultimodalDataModule,
     encode_sample,
+    load_multimodal_tokenizer,
 )
 from unicache_train.data.scenes import (
     _RELATIONS,
@@ -27,6 +28,7 @@ from unicache_train.data.scenes import (
     SceneConfig,
     make_sample,
     scene_samples,
+    scene_words,
 )
 from unicache_train.data.tokenizer import ByteTokenizer
 from unicache_train.model.vision import VisionConfig, patchify
@@ -182,6 +184,23 @@ def test_refer_answer_is_unique_and_redundant_background() -> None:
     assert (d.min(1).values < 1.0).float().mean() > 0.6
 
 
+def test_word_tokenizer_covers_the_scene_language() -> None:
+    tok = load_multimodal_tokenizer("words")
+    assert tok.vocab_size == len(scene_words()) + 4
+    cfg = SceneConfig(images_per_sample=[1, 3])
+    for i in range(300):
+        s = make_sample(cfg, 1, i)
+        for text in (*s["prompt"].split(IMAGE_MARK), s["answer"]):
+            ids = tok.encode(text)
+            assert tok.unk_token_id not in ids
+            assert tok.decode(ids) == text.strip()
+    ids = tok.encode("a zebra?", add_bos=True, add_eos=True)
+    assert ids[2] == tok.unk_token_id and ids[0] == tok.bos_token_id
+    assert tok.decode(ids, skip_special=False) == "<bos> a <unk>? <eos>"
+    with pytest.raises(ValueError, match="out of range"):
+        tok.decode([tok.vocab_size])
+
+
 def test_multi_image_prompts() -> None:
     cfg = SceneConfig(image_size=32, cell_size=8, max_shapes=3, images_per_sample=[2, 3])
     for i in range(10):
@@ -251,7 +270,8 @@ def test_local_imagefolder_and_parquet(tmp_path: Path) -> None:
     with (folder / "metadata.jsonl").open("w") as fh:
         for r in rows:
             fh.write(json.dumps(r) + "\n")
-    cfg = MultimodalDataConfig(source=str(folder), batch_size=3, val_fraction=0.34)
+    cfg = MultimodalDataConfig(source=str(folder), batch_size=3, val_fraction=0.34,
+                               tokenizer="byte")  # free text: captions, questions
     dm = MultimodalDataModule(cfg, image_size=32, patches_per_image=16)
     dm.setup()
     assert len(dm.train_dataset) == 4 and len(dm.val_dataset) == 2
@@ -268,7 +288,7 @@ def test_local_imagefolder_and_parquet(tmp_path: Path) -> None:
                        for r in rows], "text": [r["text"] for r in rows]}  # fmt: skip
     datasets.Dataset.from_dict(table).to_parquet(str(tmp_path / "caps.parquet"))
     cfg = MultimodalDataConfig(source=str(tmp_path / "caps.parquet"), batch_size=2,
-                               val_fraction=0.0)  # fmt: skip
+                               val_fraction=0.0, tokenizer="byte")  # fmt: skip
     dm = MultimodalDataModule(cfg, image_size=32, patches_per_image=16)
     dm.setup()
     item = dm.train_dataset[0]

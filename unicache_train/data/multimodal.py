@@ -44,8 +44,8 @@ from torch.utils.data import Dataset
 
 from unicache_train.config import ConfigError, _choice, _int, _range
 from unicache_train.data.datamodule import LMDataModule
-from unicache_train.data.scenes import IMAGE_MARK, TASKS, SceneConfig, make_sample
-from unicache_train.data.tokenizer import Tokenizer, load_tokenizer
+from unicache_train.data.scenes import IMAGE_MARK, TASKS, SceneConfig, make_sample, scene_words
+from unicache_train.data.tokenizer import Tokenizer, WordTokenizer, load_tokenizer
 
 __all__ = [
     "MultimodalDataConfig",
@@ -56,6 +56,7 @@ __all__ = [
     "encode_sample",
     "load_image_text",
     "to_pixels",
+    "load_multimodal_tokenizer",
 ]
 
 IGNORE_INDEX = -100
@@ -78,7 +79,10 @@ class MultimodalDataConfig:
         task_column: optional task-type column (one of ``describe``/``count``/``refer`` counts
             in per-task evaluation; anything else is ``task_ids = -1``).
         caption_prompt: the question of caption rows.
-        tokenizer: ``"byte"`` or a local HF tokenizer directory.
+        tokenizer: ``"words"`` (a word per token over the scene vocabulary,
+            :func:`~unicache_train.data.scenes.scene_words`: the synthetic task's default, so
+            the visual tokens dominate the context as in real VLMs), ``"byte"``, or a local HF
+            tokenizer directory (local files with free text need one of the last two).
         batch_size: rows per batch.
         max_seq_len: longest row allowed (longer rows raise: truncating would cut the answer).
         val_fraction: held-out share of local files (the scenes draw their own validation set).
@@ -96,7 +100,7 @@ class MultimodalDataConfig:
     answer_column: str = "answer"
     task_column: str = "task"
     caption_prompt: str = "describe the image."
-    tokenizer: str = "byte"
+    tokenizer: str = "words"
     batch_size: int = 32
     max_seq_len: int = 1024
     val_fraction: float = 0.05
@@ -149,6 +153,14 @@ class MultimodalDataConfig:
             )
         _int(self, "num_workers", 0, 256)
         _int(self, "seed", 0)
+
+
+def load_multimodal_tokenizer(name: str) -> Tokenizer:
+    """``"words"`` -> a :class:`WordTokenizer` over the scene vocabulary; otherwise
+    :func:`~unicache_train.data.tokenizer.load_tokenizer` (``"byte"`` or a local directory)."""
+    if name == "words":
+        return WordTokenizer(scene_words())
+    return load_tokenizer(name)
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -440,7 +452,7 @@ class MultimodalDataModule(LMDataModule):
         tokenizer: Tokenizer | None = None,
         cache_dir: str | None = None,
     ) -> None:
-        tok = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
+        tok = tokenizer if tokenizer is not None else load_multimodal_tokenizer(config.tokenizer)
         super().__init__(None, tokenizer=tok, cache_dir=cache_dir)
         self.config = config  # type: ignore[assignment]  # duck-typed: batch_size, seed, ...
         self.image_size, self.patches_per_image = image_size, patches_per_image

@@ -54,6 +54,7 @@ __all__ = [
     "random_scene",
     "make_sample",
     "scene_samples",
+    "scene_words",
 ]
 
 #: Placeholder of one image inside a prompt.
@@ -361,6 +362,17 @@ def make_sample(cfg: SceneConfig, seed: int, index: int, task: str | None = None
         "task": task,
         "target_image": target,
     }
+
+
+def scene_words() -> list[str]:
+    """Every word and mark the scene prompts and answers use (the vocabulary of
+    ``MultimodalDataConfig.tokenizer = "words"``)."""
+    words = set(COLOURS) | set(KINDS) | {f"{k}s" for k in KINDS}
+    words |= {w for rel in _RELATIONS for w in rel.split()}
+    words |= set("what colour is the shape how many shapes describe image in there are it a and"
+                 .split())  # fmt: skip
+    words |= {str(i) for i in range(10)} | set(".,?:")
+    return sorted(words)
 
 
 def scene_samples(

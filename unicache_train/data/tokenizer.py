@@ -16,11 +16,12 @@ access at run time.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "ByteTokenizer", "WordTokenizer", "HFTokenizer", "load_tokenizer"]
 
 
 @runtime_checkable
@@ -91,6 +92,59 @@ class ByteTokenizer:
             else:
                 raise ValueError(f"token id {i} is out of range for ByteTokenizer [0, 260)")
         out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class WordTokenizer:
+    """Closed-vocabulary word tokenizer: words (letters, digits, ``'``) and the punctuation marks
+    ``. , ? : ; !`` are tokens; anything outside the vocabulary is ``<unk>``.
+
+    For synthetic tasks with a small fixed language (e.g. the scene questions of
+    :mod:`unicache_train.data.scenes`), where bytes would spend most of a sequence spelling
+    words. Ids: ``0..3`` are ``<pad> <bos> <eos> <unk>``, then the sorted vocabulary. Decoding
+    joins words with spaces and attaches punctuation to the previous word, so a text made of
+    vocabulary words and single spaces round-trips exactly.
+    """
+
+    SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+    _SPLIT = re.compile(r"[A-Za-z0-9']+|[.,?:;!]|\S")
+    _PUNCT = frozenset(".,?:;!")
+
+    def __init__(self, words: Sequence[str]) -> None:
+        vocab = sorted(set(words) - set(self.SPECIAL_TOKENS))
+        bad = [w for w in vocab if self._SPLIT.findall(w) != [w]]
+        if bad:
+            raise ValueError(f"WordTokenizer: {bad[:5]} are not single words or marks")
+        self.itos = [*self.SPECIAL_TOKENS, *vocab]
+        self.stoi = {w: i for i, w in enumerate(self.itos)}
+        self.pad_token_id, self.bos_token_id, self.eos_token_id, self.unk_token_id = 0, 1, 2, 3
+        self.vocab_size = len(self.itos)
+
+    def __repr__(self) -> str:
+        return f"WordTokenizer(vocab_size={self.vocab_size})"
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = [self.stoi.get(w, self.unk_token_id) for w in self._SPLIT.findall(text)]
+        if add_bos:
+            ids.insert(0, self.bos_token_id)
+        if add_eos:
+            ids.append(self.eos_token_id)
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        out: list[str] = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is out of range for WordTokenizer [0, "
+                                 f"{self.vocab_size})")  # fmt: skip
+            if skip_special and i < len(self.SPECIAL_TOKENS):
+                continue
+            w = self.itos[i]
+            out.append(w if not out or w in self._PUNCT else " " + w)
         return "".join(out)
 
 

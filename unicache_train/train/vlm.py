@@ -38,7 +38,14 @@ from unicache_train.model.vlm import VisionLanguageModel
 from unicache_train.train.compression import IGNORE_INDEX
 from unicache_train.train.module import LMModule
 
-__all__ = ["VLMRunConfig", "VLMModule", "fit_vlm", "load_vlm_checkpoint", "answer_exact_match"]
+__all__ = [
+    "VLMRunConfig",
+    "VLMModule",
+    "fit_vlm",
+    "check_vocab",
+    "load_vlm_checkpoint",
+    "answer_exact_match",
+]
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -198,6 +205,16 @@ class VLMModule(LMModule):
                      sync_dist=False)  # fmt: skip
 
 
+def check_vocab(config: VLMRunConfig, tokenizer) -> None:
+    """The model's embedding table must cover the tokenizer's ids."""
+    if config.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"ModelConfig.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer!r}, data.tokenizer={config.data.tokenizer!r}); set "
+            f"model.vocab_size={tokenizer.vocab_size}"
+        )
+
+
 def fit_vlm(config: VLMRunConfig, callbacks: list[L.Callback] | None = None) -> L.Trainer:
     """Train (or resume) a vision-language model as the config says; return the Trainer."""
     from unicache_train.train.run import (
@@ -213,6 +230,7 @@ def fit_vlm(config: VLMRunConfig, callbacks: list[L.Callback] | None = None) -> 
     ckpt_path = resolve_resume(config)  # type: ignore[arg-type]
     vc = config.vision
     datamodule = MultimodalDataModule(config.data, vc.image_size, vc.num_patches)
+    check_vocab(config, datamodule.tokenizer)
     module = VLMModule(config)
     parallelize_model(module.model, config)  # type: ignore[arg-type]
     trainer = build_trainer(config, callbacks)  # type: ignore[arg-type]
