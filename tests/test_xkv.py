@@ -471,3 +471,72 @@ def test_evaluation_rows_at_equal_kv_bytes(tmp_path) -> None:
     assert "xkv 8x g2" in format_table(rows)
     _, png = write_outputs(rows, tmp_path, "xkv_eval")
     assert png.stat().st_size > 5000
+
+
+# ------------------------------------------------------------------ alignment analysis
+def test_alignment_measures() -> None:
+    from unicache_train.compress.xkv_alignment import (
+        linear_cka,
+        principal_angles,
+        subspace_overlap,
+        token_subspace,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 16, generator=g)
+    q, _ = torch.linalg.qr(torch.randn(16, 16, generator=g))
+    u = token_subspace(x, 4)
+    # Another layer's features = a rotation of these: the same token subspace (overlap 1,
+    # angles 0), CKA 1; CKA is scale-invariant.
+    assert subspace_overlap(u, token_subspace(2.0 * x @ q, 4)) == pytest.approx(1.0, abs=1e-4)
+    assert linear_cka(x, x @ q) == pytest.approx(1.0, abs=1e-6)
+    assert float(principal_angles(u, u).max()) < 1e-3
+    assert linear_cka(x, 3.0 * x) == pytest.approx(1.0, abs=1e-9)
+    # Orthogonal token subspaces: overlap 0.
+    e = torch.eye(40)
+    assert subspace_overlap(e[:, :4], e[:, 4:8]) == pytest.approx(0.0)
+    y = torch.randn(40, 16, generator=g)
+    assert linear_cka(x, y) < 0.6
+
+
+def test_alignment_of_a_model_and_identical_layers() -> None:
+    from unicache_train.compress.xkv_alignment import collect_context_kv, layer_alignment
+
+    model = tiny()
+    ids = torch.randint(0, V, (2, 30))
+    keys, values, mask = collect_context_kv(model, ids, torch.tensor([30, 20]))
+    assert len(keys) == 3 and keys[0].shape == (2, 30, 32) and int(mask.sum()) == 50
+    res = layer_alignment(keys, values, mask, rank_fraction=0.25)
+    for m in (res.overlap_k, res.overlap_v, res.cka_k, res.cka_v):
+        assert m.shape == (3, 3) and torch.allclose(m.diagonal(), torch.ones(3), atol=1e-4)
+        assert torch.allclose(m, m.T, atol=1e-5)
+    assert res.random_overlap == pytest.approx((8 / 30 + 8 / 20) / 2)
+    twin = layer_alignment([keys[0], keys[0]], [values[0], 2 * values[0]], mask)
+    assert float(twin.overlap_k[0, 1]) == pytest.approx(1.0, abs=1e-4)
+    assert float(twin.cka_v[0, 1]) == pytest.approx(1.0, abs=1e-6)
+    s = res.summary()
+    assert 0 < s["overlap_k_adjacent"] <= 1 and s["random_overlap"] < s["overlap_k_adjacent"]
+
+
+def test_alignment_of_an_imported_hf_model(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from unicache_train.checkpoint.hf import import_hf
+    from unicache_train.compress.xkv_alignment import collect_context_kv, layer_alignment
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    model, _ = import_hf(tmp_path)
+    ids = torch.randint(0, V, (2, 40))
+    res = layer_alignment(*collect_context_kv(model, ids), rank_fraction=0.25)
+    assert res.overlap_k.shape == (3, 3)
+    # A random residual network: neighbouring layers read nearly the same residual stream, so
+    # their token subspaces overlap far above chance (the xKV premise, trivially here).
+    assert float(res.overlap_k[0, 1]) > 2 * res.random_overlap
+    comp = XKVCompressor(XKVConfig(group_size=3, rank_mode="ratio", ratio=4.0))
+    with torch.no_grad():
+        out = model(ids, split=torch.tensor([30, 25]), compressor=comp)
+    assert torch.isfinite(out.logits).all()
