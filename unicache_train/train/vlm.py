@@ -43,6 +43,7 @@ __all__ = [
     "VLMModule",
     "fit_vlm",
     "check_vocab",
+    "InitFromCheckpoint",
     "load_vlm_checkpoint",
     "answer_exact_match",
 ]
@@ -203,6 +204,21 @@ class VLMModule(LMModule):
         if acc[1].sum() > 0:
             self.log("val/answer_acc", acc[0].sum() / acc[1].sum(), prog_bar=True,
                      sync_dist=False)  # fmt: skip
+
+
+class InitFromCheckpoint(L.Callback):
+    """Start a run from another run's weights (``.ckpt``), strictly. Loads in ``setup``, before
+    Lightning restores a resumed run's own checkpoint, so resuming keeps the run's progress."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        ckpt = torch.load(self.path, map_location="cpu", weights_only=False)  # our own file
+        state = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+        pl_module.load_state_dict(state, strict=True)
 
 
 def check_vocab(config: VLMRunConfig, tokenizer) -> None:

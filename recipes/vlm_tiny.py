@@ -1,0 +1,470 @@
+"""A tiny vision-language model under KV compression, end to end on CPU (no downloads):
+
+    python recipes/vlm_tiny.py                        # everything below (resumable stages)
+    python recipes/vlm_tiny.py --checkpoint BASE.ckpt # skip the base training
+    python recipes/vlm_tiny.py train.max_steps=3000 recipe.num_per_task=200 \\
+        finetune.train.max_steps=600 recipe.rate_grid=false
+    fabric run --accelerator cpu --devices 2 --strategy ddp recipes/vlm_tiny.py   # training stages
+
+On a shared, loaded CPU set ``OMP_NUM_THREADS=1`` (the compressor runs many small ops).
+
+Stages (base config ``vlm_tiny.yaml``; fine-tune config ``vlm_tiny_finetune.yaml`` merged onto it):
+
+1. **base**: train the VLM (vision tower + projector + decoder) uncompressed on the synthetic
+   scenes (:mod:`unicache_train.data.scenes`: describe / count / refer), split at the answer,
+   loss on the answer; resumable (``<train.out_dir>``, default ``runs/vlm_tiny/base``).
+2. **evaluate the base** per task type: greedy answers decoded on the real compressed cache
+   (:mod:`unicache_train.train.evaluate_vlm`) uncompressed and for each variant x rate: (a)
+   ``text_style`` (global normalization, uniform budgets, no protection), (a')
+   ``text_style_pooled`` (global normalization, one pooled top-k budget), (b) ``unicache``,
+   (c) ``unicache_no_protect``, and the ablation ``unicache_global_norm``.
+3. **fine-tune** with UniCache in the training loop (``LMModule``'s in-loop compression: KL to
+   the uncompressed forward, rate curriculum), from the base weights (resumable).
+4. **evaluate the fine-tuned model**: uncompressed and (d) ``unicache``.
+5. **rate grid** (``recipe.rate_grid``): fixed visual x text rates (mean over layers) with the
+   rest of UniCache at its defaults, on both models: where is accuracy stable?
+6. **outputs** under ``recipe.results_dir`` (default ``<base out_dir>/../results``):
+   ``vlm_eval.csv`` / ``.md`` / ``.png`` (accuracy per task vs rate), ``vlm_rate_grid.csv`` /
+   ``.png``, ``claims.md`` (the source's claims checked against these numbers).
+
+Arguments: ``--config BASE.yaml``, ``--checkpoint PATH``, ``recipe.FIELD=VALUE``
+(:class:`RecipeOptions`), ``finetune.SECTION.FIELD=VALUE`` and ``SECTION.FIELD=VALUE`` (base).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from unicache_train.config import ConfigError, apply_overrides, deep_merge
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class RecipeOptions:
+    """Recipe-level knobs (``recipe.FIELD=VALUE``).
+
+    Attributes:
+        base_checkpoint: the base model; None trains it first.
+        finetune_config: YAML merged onto the base config for the fine-tune.
+        finetune_overrides: ``section.field=value`` overrides of the fine-tune.
+        skip_finetune: stop after evaluating the base (and its rate grid).
+        rates: target rates of every variant.
+        variants: variants evaluated on the base (:data:`~unicache_train.train.evaluate_vlm.
+            VARIANTS`).
+        finetuned_variants: variants evaluated on the fine-tuned model.
+        num_per_task: evaluation prompts per task type.
+        eval_seed: seed of the evaluation scenes.
+        eval_batch_size: prompts decoded together.
+        rate_grid: run the fixed visual x text rate grid.
+        grid_vision, grid_text: the grid's visual and text rates.
+        results_dir: where tables and plots go (default ``<base out_dir>/../results``).
+    """
+
+    base_checkpoint: str | None = None
+    finetune_config: str = str(HERE / "vlm_tiny_finetune.yaml")
+    finetune_overrides: list[str] = field(default_factory=list)
+    skip_finetune: bool = False
+    rates: list[float] = field(default_factory=lambda: [0.3, 0.45, 0.6, 0.75])
+    variants: list[str] = field(
+        default_factory=lambda: [
+            "text_style",
+            "text_style_pooled",
+            "unicache",
+            "unicache_no_protect",
+            "unicache_global_norm",
+        ]
+    )
+    finetuned_variants: list[str] = field(default_factory=lambda: ["unicache"])
+    num_per_task: int = 100
+    eval_seed: int = 10_007
+    eval_batch_size: int = 50
+    rate_grid: bool = True
+    grid_vision: list[float] = field(default_factory=lambda: [0.5, 0.65, 0.7, 0.75, 0.8])
+    grid_text: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.25, 0.3, 0.4])
+    results_dir: str | None = None
+
+
+def parse_args(argv: list[str]) -> tuple[RecipeOptions, Any]:
+    """Split the arguments into recipe options and the base config (see the module doc)."""
+    from unicache_train.train.vlm import VLMRunConfig
+
+    args = list(argv)
+    base_yaml = HERE / "vlm_tiny.yaml"
+    opts: dict[str, Any] = {}
+    base_over: list[str] = []
+    ft_over: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("--config", "--checkpoint"):
+            if i + 1 >= len(args):
+                raise ConfigError(f"{a} needs a path")
+            if a == "--config":
+                base_yaml = Path(args[i + 1])
+            else:
+                opts["base_checkpoint"] = args[i + 1]
+            i += 2
+            continue
+        key, sep, raw = a.partition("=")
+        if not sep:
+            raise ConfigError(f"argument {a!r} must look like section.field=value")
+        if key.startswith("recipe."):
+            opts[key.removeprefix("recipe.")] = yaml.safe_load(raw)
+        elif key.startswith("finetune."):
+            ft_over.append(a.removeprefix("finetune."))
+        else:
+            base_over.append(a)
+        i += 1
+    known = {f.name for f in dataclasses.fields(RecipeOptions)}
+    unknown = sorted(set(opts) - known)
+    if unknown:
+        raise ConfigError(f"unknown recipe option(s) {unknown}; known: {sorted(known)}")
+    options = RecipeOptions(**opts)
+    options.finetune_overrides = [*options.finetune_overrides, *ft_over]
+    return options, VLMRunConfig.load(base_yaml, overrides=base_over)
+
+
+def finetune_config(options: RecipeOptions, base: Any) -> Any:
+    """The base config with the fine-tune YAML and its overrides merged on top."""
+    from unicache_train.train.vlm import VLMRunConfig
+
+    path = Path(options.finetune_config)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe.finetune_config={str(path)!r}: no such file")
+    over = yaml.safe_load(path.read_text()) or {}
+    apply_overrides(over, options.finetune_overrides)
+    d = base.to_dict()
+    d["compress"].pop("unicache")  # the fine-tune's preset + overrides decide it
+    return VLMRunConfig.from_dict(deep_merge(d, over))
+
+
+def grid_configs(base_unicache: Any, vision: list[float], text: list[float]) -> dict[str, Any]:
+    """UniCache at its defaults with fixed visual and text rates (mean over layers)."""
+    from unicache_train.compress.config import UniCacheConfig
+
+    out = {}
+    for v in vision:
+        for t in text:
+            d = base_unicache.to_dict()
+            d["rate_scale"] = 1.0
+            d["budget"] = {**d["budget"], "vision_rate": v, "text_rate": t}
+            out[f"fixed v={v:g} t={t:g}"] = UniCacheConfig.from_dict(d)
+    return out
+
+
+# ----------------------------------------------------------------------------- reporting
+def _acc_drop(rows: list[dict], model: str, variant: str, rate: float, key: str) -> float:
+    ref = next(r for r in rows if r["model"] == model and r["variant"] == "uncompressed")
+    row = next(
+        (r for r in rows if r["model"] == model and r["variant"] == variant and r["rate"] == rate),
+        None,
+    )
+    return float("nan") if row is None else 100.0 * (ref[key] - row[key])
+
+
+def claims_report(rows: list[dict], grid: list[dict], rate: float = 0.6) -> str:
+    """The source's three claims, checked against the measured rows (markdown)."""
+
+    def get(model: str, variant: str, r: float) -> dict | None:
+        return next(
+            (x for x in rows if x["model"] == model and x["variant"] == variant and x["rate"] == r),
+            None,
+        )
+
+    lines = ["# Source claims vs this run", ""]
+    base_unc = next(r for r in rows if r["model"] == "base" and r["variant"] == "uncompressed")
+    lines.append(
+        "Uncompressed base accuracy: "
+        + ", ".join(f"{t} {base_unc[f'acc/{t}']:.3f}" for t in ("describe", "count", "refer"))
+        + "."
+    )
+    lines += ["", "## 1. Global normalization makes the model ignore the image", ""]
+    lines.append("| variant | rate | vision kept | text kept | acc | describe | count | refer |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for variant in ("unicache", "unicache_global_norm", "text_style", "text_style_pooled"):
+        for r in sorted({x["rate"] for x in rows if x["variant"] == variant}):
+            row = get("base", variant, r)
+            if row is None:
+                continue
+            lines.append(
+                f"| {variant} | {r:g} | {row['keep_ratio/vision']:.3f} | "
+                f"{row['keep_ratio/text']:.3f} | {row['acc']:.3f} | {row['acc/describe']:.3f} | "
+                f"{row['acc/count']:.3f} | {row['acc/refer']:.3f} |"
+            )
+    lines += ["", "## 2. Alignment protection on the referring task", ""]
+    for r in sorted({x["rate"] for x in rows if x["variant"] == "unicache"}):
+        with_p = _acc_drop(rows, "base", "unicache", r, "acc/refer")
+        without = _acc_drop(rows, "base", "unicache_no_protect", r, "acc/refer")
+        prot = get("base", "unicache", r)
+        frac = prot["protected_fraction"] if prot else float("nan")
+        lines.append(
+            f"- rate {r:g}: referring accuracy loss {without:+.1f} points without protection, "
+            f"{with_p:+.1f} with (protected tokens: {100 * frac:.1f}% of the context)"
+        )
+    lines.append("")
+    lines.append(
+        f"Source: 15 -> 4 points at 60% compression. Here at {rate:g}: "
+        f"{_acc_drop(rows, 'base', 'unicache_no_protect', rate, 'acc/refer'):+.1f} -> "
+        f"{_acc_drop(rows, 'base', 'unicache', rate, 'acc/refer'):+.1f} points."
+    )
+    if grid:
+        lines += ["", "## 3. Visual 0.65-0.75 with text 0.20-0.30 is a stable region", ""]
+        for model in dict.fromkeys(g["model"] for g in grid):
+            ref = next(r for r in rows if r["model"] == model and r["variant"] == "uncompressed")
+            mine = [g for g in grid if g["model"] == model]
+            inside = [
+                g for g in mine if 0.65 <= g["vision_rate"] <= 0.75 and 0.2 <= g["text_rate"] <= 0.3
+            ]
+            outside = [g for g in mine if g not in inside]
+
+            lines.append(
+                f"- {model}: worst overall accuracy loss inside the region "
+                f"{_worst(inside, ref)}; outside {_worst(outside, ref)} (uncompressed "
+                f"{ref['acc']:.3f})"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _worst(grid: list[dict], ref: dict) -> str:
+    if not grid:
+        return "-"
+    g = max(grid, key=lambda x: ref["acc"] - x["acc"])
+    loss = 100 * (ref["acc"] - g["acc"])
+    return f"{loss:+.1f} points at v={g['vision_rate']:g} t={g['text_rate']:g}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cols = [
+        "model",
+        "variant",
+        "rate",
+        "acc/describe",
+        "acc/count",
+        "acc/refer",
+        "acc",
+        "keep_ratio/vision",
+        "keep_ratio/text",
+        "protected_fraction",
+        "kv_bytes_ratio",
+    ]
+    head = [
+        "model",
+        "variant",
+        "rate",
+        "describe",
+        "count",
+        "refer",
+        "all",
+        "vision kept",
+        "text kept",
+        "protected",
+        "KV bytes",
+    ]
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return "-" if math.isnan(v) else f"{v:.3f}".rstrip("0").rstrip(".") if v else "0"
+        return str(v)
+
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def plot_grid(grid: list[dict], rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # NOTE: before pyplot is imported
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    models = list(dict.fromkeys(g["model"] for g in grid))
+    keys = ["acc", "acc/refer"]
+    fig, axes = plt.subplots(
+        len(models), len(keys), figsize=(5.2 * len(keys), 4.2 * len(models)), squeeze=False
+    )
+    for mi, model in enumerate(models):
+        ref = next(r for r in rows if r["model"] == model and r["variant"] == "uncompressed")
+        mine = [g for g in grid if g["model"] == model]
+        vs = sorted({g["vision_rate"] for g in mine})
+        ts = sorted({g["text_rate"] for g in mine})
+        for ki, key in enumerate(keys):
+            ax = axes[mi, ki]
+            drop = np.full((len(ts), len(vs)), np.nan)
+            for g in mine:
+                drop[ts.index(g["text_rate"]), vs.index(g["vision_rate"])] = 100 * (
+                    ref[key] - g[key]
+                )
+            im = ax.imshow(
+                drop, origin="lower", cmap="RdYlGn_r", vmin=0, vmax=max(20, float(np.nanmax(drop)))
+            )
+            for (ti, vi), d in np.ndenumerate(drop):
+                ax.text(vi, ti, f"{d:.0f}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(vs)), [f"{v:g}" for v in vs])
+            ax.set_yticks(range(len(ts)), [f"{t:g}" for t in ts])
+            ax.set_xlabel("visual rate (fraction removed)")
+            ax.set_ylabel("text rate")
+            # The source's region: visual 0.65-0.75, text 0.20-0.30.
+            inside_v = [i for i, v in enumerate(vs) if 0.65 <= v <= 0.75]
+            inside_t = [i for i, t in enumerate(ts) if 0.2 <= t <= 0.3]
+            if inside_v and inside_t:
+                ax.add_patch(
+                    plt.Rectangle(
+                        (inside_v[0] - 0.5, inside_t[0] - 0.5),
+                        len(inside_v),
+                        len(inside_t),
+                        fill=False,
+                        lw=2,
+                    )
+                )
+            ax.set_title(f"{model}: {key} loss (points)")
+            fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.suptitle(
+        "accuracy loss vs uncompressed at fixed visual x text rates (box: source's stable region)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=cols)
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """Run the recipe; returns the rows (None on ranks other than 0)."""
+    from unicache_train.data.multimodal import load_multimodal_tokenizer
+    from unicache_train.train.evaluate_vlm import (
+        VLMEvalConfig,
+        evaluate_vlm,
+        format_vlm_table,
+        plot_accuracy,
+    )
+    from unicache_train.train.vlm import InitFromCheckpoint, fit_vlm, load_vlm_checkpoint
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return None
+    options, base_cfg = parse_args(args)
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if options.base_checkpoint is None:
+        trainer = fit_vlm(base_cfg)
+        if not trainer.is_global_zero:
+            return None
+        base_ckpt = Path(base_cfg.train.out_dir) / "checkpoints" / "last.ckpt"
+    else:
+        base_ckpt = Path(options.base_checkpoint)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    times["base_train"] = time.perf_counter() - t0
+    base_model, base_cfg = load_vlm_checkpoint(base_ckpt)
+    results = Path(options.results_dir or Path(base_cfg.train.out_dir).parent / "results")
+    results.mkdir(parents=True, exist_ok=True)
+    ft_cfg = finetune_config(options, base_cfg)
+    tok = load_multimodal_tokenizer(base_cfg.data.tokenizer)
+    scenes = base_cfg.data.scenes
+    uc = ft_cfg.compress.unicache  # (b) and (d): the same UniCache setting
+    ev = dict(
+        rates=options.rates,
+        num_per_task=options.num_per_task,
+        seed=options.eval_seed,
+        batch_size=options.eval_batch_size,
+    )
+
+    t = time.perf_counter()
+    rows = evaluate_vlm(
+        base_model,
+        tok,
+        scenes,
+        uc,
+        VLMEvalConfig(variants=options.variants, **ev),
+        model_label="base",
+    )
+    times["eval_base"] = time.perf_counter() - t
+    print(format_vlm_table(rows))
+
+    tuned_model = None
+    if not options.skip_finetune:
+        t = time.perf_counter()
+        trainer = fit_vlm(ft_cfg, callbacks=[InitFromCheckpoint(base_ckpt)])
+        times["finetune"] = time.perf_counter() - t
+        if not trainer.is_global_zero:
+            return None
+        tuned_model, _ = load_vlm_checkpoint(
+            Path(ft_cfg.train.out_dir) / "checkpoints" / "last.ckpt"
+        )
+        t = time.perf_counter()
+        tuned = evaluate_vlm(
+            tuned_model,
+            tok,
+            scenes,
+            uc,
+            VLMEvalConfig(variants=options.finetuned_variants, **ev),
+            model_label="finetuned",
+        )
+        times["eval_finetuned"] = time.perf_counter() - t
+        print(format_vlm_table(tuned))
+        rows += tuned
+
+    grid: list[dict] = []
+    if options.rate_grid:
+        t = time.perf_counter()
+        configs = grid_configs(uc, options.grid_vision, options.grid_text)
+        for label, model in (("base", base_model), ("finetuned", tuned_model)):
+            if model is None:
+                continue
+            g = evaluate_vlm(
+                model,
+                tok,
+                scenes,
+                uc,
+                VLMEvalConfig(
+                    variants=["unicache"],
+                    rates=[uc.target_rate],
+                    **{k: v for k, v in ev.items() if k != "rates"},
+                ),
+                model_label=label,
+                configs=configs,
+            )
+            for r in g:
+                if r["variant"].startswith("fixed "):
+                    c = configs[r["variant"]].budget
+                    grid.append({**r, "vision_rate": c.vision_rate, "text_rate": c.text_rate})
+        times["rate_grid"] = time.perf_counter() - t
+
+    plot_accuracy(rows, results / "vlm_eval.png")
+    write_csv(rows, results / "vlm_eval.csv")
+    (results / "vlm_eval.md").write_text(markdown_table(rows))
+    if grid:
+        write_csv(grid, results / "vlm_rate_grid.csv")
+        plot_grid(grid, rows, results / "vlm_rate_grid.png")
+    claims = claims_report(rows, grid)
+    (results / "claims.md").write_text(claims)
+    times["total"] = time.perf_counter() - t0
+    print(claims)
+    print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()))
+    print(f"wrote {results}")
+    return {"rows": rows, "grid": grid, "times": times}
+
+
+if __name__ == "__main__":
+    main()
