@@ -540,3 +540,52 @@ def test_alignment_of_an_imported_hf_model(tmp_path) -> None:
     with torch.no_grad():
         out = model(ids, split=torch.tensor([30, 25]), compressor=comp)
     assert torch.isfinite(out.logits).all()
+
+
+# ------------------------------------------------------------------ recipe
+def _recipe():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "finetune_xkv.py"
+    spec = importlib.util.spec_from_file_location("finetune_xkv", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("finetune_xkv", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_recipe_config_and_options() -> None:
+    recipe = _recipe()
+    xopts, rest = recipe.split_args(["recipe.train_ratios=[8]", "recipe.num_recall=3", "a.b=1"])
+    assert xopts.train_ratios == [8] and xopts.eval_ratios == [4.0, 8.0]
+    assert rest == ["recipe.num_recall=3", "a.b=1"]
+    with pytest.raises(ConfigError, match="train_ratios"):
+        recipe.split_args(["recipe.train_ratios=[0.5]"])
+    options, ft = recipe.fc.parse_args(["--config", str(recipe.HERE / "finetune_xkv.yaml")])
+    assert ft.compress.method == "xkv" and ft.compress.xkv.rank_mode == "ratio"
+    sub = recipe.sub_config(ft, "unicache_8x", method="unicache", unicache={"target_rate": 0.8})
+    assert sub.compress.method == "unicache" and sub.compress.unicache.target_rate == 0.8
+    assert sub.compress.unicache.quantize.bits == 8 and sub.train.out_dir.endswith("unicache_8x")
+    sub = recipe.sub_config(ft, "xkv_8x", method="xkv", xkv={"ratio": 8.0})
+    assert sub.compress.xkv.ratio == 8.0 and sub.compress.xkv.group_size == 2
+
+
+@pytest.mark.slow
+def test_recipe_runs_from_scratch(tmp_path) -> None:
+    recipe = _recipe()
+    rows = recipe.main([
+        f"train.out_dir={tmp_path}", "train.max_steps=2", "train.val_every_n_steps=2",
+        "train.limit_val_batches=1", "train.progress_bar=false", "logging.logger=none",
+        "data.synthetic.num_stories=40", "data.synthetic.num_recall=40",
+        "pretrain.train.max_steps=2", "pretrain.train.val_every_n_steps=2",
+        "pretrain.train.limit_val_batches=1", "pretrain.data.synthetic.num_stories=40",
+        "pretrain.data.synthetic.num_recall=40", "recipe.num_recall=2", "recipe.limit_batches=1",
+        "recipe.train_ratios=[4]",
+    ])  # fmt: skip
+    assert [(r["ratio"], r["method"]) for r in rows] == [
+        (4.0, "xkv"), (4.0, "unicache"), (8.0, "xkv"), (8.0, "unicache")
+    ]
+    assert not math.isnan(rows[0]["ppl_ft_compressed"]) and math.isnan(rows[2]["ppl_ft_compressed"])
+    assert (tmp_path / "finetune_xkv.csv").is_file()

@@ -374,13 +374,15 @@ def recall_accuracy(
 # --------------------------------------------------------------------------------- main loop
 @dataclass
 class _Setting:
-    """One compressed row of the evaluation: its label, method, token rate, bits, compressor."""
+    """One compressed row of the evaluation: its label, method, token rate, bits, compressor,
+    and the KV-bytes reduction it was set up for (xKV ratio; NaN for a plain UniCache rate)."""
 
     label: str
     method: str
     rate: float
     bits: int | None
     compressor: KVCompressor
+    target: float = math.nan
 
 
 def _batch_inputs(batch: dict[str, torch.Tensor], device, opts, batch_idx: int):
@@ -482,14 +484,14 @@ def _settings(
         xcfg = XKVConfig(**{**opts.xkv, "rank_mode": "ratio", "ratio": ratio})
         g = xcfg.group_size
         xkv = XKVCompressor(xcfg)
-        out.append(_Setting(f"xkv {ratio:g}x g{g}", "xkv", math.nan, None, xkv))
+        out.append(_Setting(f"xkv {ratio:g}x g{g}", "xkv", math.nan, None, xkv, ratio))
         if opts.xkv_token_rate is not None:
             d = unicache_at_rate(base_unicache, opts.xkv_token_rate, "none").to_dict()
             d["head_merge"]["enabled"] = False
             tok = UniCacheCompressor(UniCacheConfig.from_dict(d))
             both = XKVCompressor(XKVConfig(**{**xcfg.to_dict(), "gradient": "exact"}), tok)
             label = f"unicache {opts.xkv_token_rate:g} + xkv {ratio:g}x g{g}"
-            out.append(_Setting(label, "unicache+xkv", opts.xkv_token_rate, None, both))
+            out.append(_Setting(label, "unicache+xkv", opts.xkv_token_rate, None, both, ratio))
         if opts.match_unicache and first_batch is not None:
             # NOTE: matched to the bytes xKV really stores on this batch (rank rounding keeps it
             # at or below 1 / ratio), not to the nominal ratio.
@@ -500,7 +502,7 @@ def _settings(
             cfg = unicache_at_rate(base_unicache, rate, opts.quantize)
             bits = cfg.quantize.bits if cfg.quantize.active else None
             label = f"unicache @{ratio:g}x rate={rate:.3g}" + (f" int{bits}" if bits else "")
-            out.append(_Setting(label, "unicache", rate, bits, UniCacheCompressor(cfg)))
+            out.append(_Setting(label, "unicache", rate, bits, UniCacheCompressor(cfg), ratio))
     return out
 
 
@@ -528,9 +530,9 @@ def evaluate_compression(
         loader: perplexity batches (default: ``LMDataModule(data).val_dataloader()``).
 
     Returns:
-        One dict per row with :data:`CSV_COLUMNS`: first ``uncompressed``, then one per
-        setting (UniCache rates, then per xKV ratio: xKV, UniCache + xKV, UniCache at the same
-        bytes).
+        One dict per row with :data:`CSV_COLUMNS` (plus ``kv_target``, the reduction an xKV or
+        matched row was set up for): first ``uncompressed``, then one per setting (UniCache
+        rates, then per xKV ratio: xKV, UniCache + xKV, UniCache at the same bytes).
     """
     opts = options or CompressionEvalConfig()
     model.eval()
@@ -646,6 +648,7 @@ def evaluate_compression(
         )
     ]
     rows[0]["method"] = "none"
+    rows[0]["kv_target"] = 1.0
     for i, st in enumerate(settings):
         acc = nan
         # Without recall: the compressor's own byte accounting on the perplexity batches.
@@ -668,6 +671,7 @@ def evaluate_compression(
             keep[i] / max(n_batches, 1),
         )
         row["method"] = st.method
+        row["kv_target"] = st.target
         rows.append(row)
     if logger is not None:
         log_rows(rows, logger)

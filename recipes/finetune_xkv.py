@@ -1,0 +1,254 @@
+"""Compression-aware fine-tuning with xKV, side by side with UniCache at the same KV bytes.
+
+    python recipes/finetune_xkv.py                     # pretrains the tiny base first (~5 min)
+    python recipes/finetune_xkv.py \
+        --checkpoint runs/finetune_compress/pretrain/checkpoints/last.ckpt
+    python recipes/finetune_xkv.py recipe.train_ratios=[8] recipe.finetune_unicache=false \\
+        train.max_steps=50 compress.xkv.gradient=causal
+
+On a shared, loaded CPU set ``OMP_NUM_THREADS=1``.
+
+Reuses the machinery of ``finetune_compress.py`` (argument parsing, base pretraining, init from
+the base checkpoint, table printing). Stages:
+
+1. base: ``--checkpoint`` / ``base_checkpoint=``, else pretrain the tiny model
+   (``recipes/pretrain_tiny.yaml``, under ``<out_dir>/pretrain``, resumable);
+2. evaluate the base uncompressed, under xKV at each of ``recipe.eval_ratios`` (rank chosen so
+   the stored factors take ``1 / ratio`` of the 16-bit cache) and under UniCache at the same
+   bytes (target rate calibrated on the first batch, int8): continuation perplexity, key-value
+   recall decoded on the real compressed caches, attention/output KL, real KV bytes;
+3. per ratio in ``recipe.train_ratios``: fine-tune from the base with xKV in the loop
+   (``finetune_xkv.yaml``, ``<out_dir>/xkv_<R>x``) and, with ``recipe.finetune_unicache``,
+   with UniCache at the calibrated rate (``<out_dir>/unicache_<R>x``); evaluate each under its
+   own method and ratio;
+4. print and write the table (``<out_dir>/finetune_xkv.csv``; per-stage CSV/PNG under
+   ``<out_dir>/eval``).
+
+Arguments: as ``finetune_compress.py`` (``--config``, ``--checkpoint``, ``recipe.FIELD=VALUE``,
+``pretrain.SECTION.FIELD=VALUE``, ``SECTION.FIELD=VALUE``) plus the recipe options
+``recipe.train_ratios``, ``recipe.eval_ratios``, ``recipe.finetune_unicache``.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from unicache_train.config import ConfigError, RunConfig
+
+HERE = Path(__file__).resolve().parent
+
+
+def _finetune_compress():
+    """The sibling recipe as a module (recipes are scripts, not a package)."""
+    path = HERE / "finetune_compress.py"
+    spec = importlib.util.spec_from_file_location("finetune_compress", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, mod)  # NOTE: dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+fc = _finetune_compress()
+
+
+@dataclass
+class XKVOptions:
+    """This recipe's own knobs (``recipe.FIELD=VALUE``, besides finetune_compress's).
+
+    Attributes:
+        eval_ratios: KV-bytes reductions at which the base is evaluated (xKV and UniCache).
+        train_ratios: one xKV fine-tune (and UniCache fine-tune) per ratio.
+        finetune_unicache: also fine-tune UniCache at the same bytes, for the side-by-side.
+    """
+
+    eval_ratios: list[float] = field(default_factory=lambda: [4.0, 8.0])
+    train_ratios: list[float] = field(default_factory=lambda: [4.0, 8.0])
+    finetune_unicache: bool = True
+
+
+def split_args(argv: list[str]) -> tuple[XKVOptions, list[str]]:
+    """Take this recipe's ``recipe.*`` options out of ``argv``; the rest is finetune_compress's."""
+    mine = set(XKVOptions.__dataclass_fields__)
+    opts: dict[str, Any] = {}
+    rest = []
+    for a in argv:
+        key, sep, raw = a.partition("=")
+        if sep and key.startswith("recipe.") and key.removeprefix("recipe.") in mine:
+            opts[key.removeprefix("recipe.")] = yaml.safe_load(raw)
+        else:
+            rest.append(a)
+    x = XKVOptions(**opts)
+    for name in ("eval_ratios", "train_ratios"):
+        values = getattr(x, name)
+        if not isinstance(values, list) or not all(
+            isinstance(v, (int, float)) and 1 <= v <= 64 for v in values
+        ):
+            raise ConfigError(f"recipe.{name}={values!r}: expected a list of ratios in [1, 64]")
+    return x, rest
+
+
+def sub_config(ft: RunConfig, name: str, **compress: Any) -> RunConfig:
+    """The fine-tune config of one run: ``compress`` fields replaced, its own out_dir."""
+    d = ft.to_dict()
+    d["train"]["out_dir"] = str(Path(ft.train.out_dir) / name)
+    d["logging"]["name"] = f"{ft.logging.name}_{name}"
+    for key, value in compress.items():
+        if isinstance(value, dict):
+            d["compress"][key] = {**d["compress"][key], **value}
+        else:
+            d["compress"][key] = value
+    return RunConfig.from_dict(d)
+
+
+def evaluate(model, config: RunConfig, tokenizer, loader, options, name: str, **kw):
+    """evaluate_compression of one model; CSV/PNG under ``<out_dir>/eval``."""
+    from unicache_train.train.evaluate import (
+        CompressionEvalConfig,
+        evaluate_compression,
+        format_table,
+        write_outputs,
+    )
+
+    per_row = ("rank_mode", "ratio")
+    xkv = {k: v for k, v in config.compress.xkv.to_dict().items() if k not in per_row}
+    eval_cfg = CompressionEvalConfig(
+        quantize="config",
+        num_recall=options.num_recall,
+        recall_seed=options.recall_seed,
+        limit_batches=options.limit_batches,
+        batch_size=config.data.batch_size,
+        split_seed=config.compress.seed,
+        min_context=config.compress.min_context,
+        out_dir=str(Path(config.train.out_dir) / "eval"),
+        name=name,
+        xkv=xkv,
+        **kw,
+    )
+    rows = evaluate_compression(
+        model, tokenizer, config.data, config.compress.unicache, eval_cfg, loader=loader
+    )
+    write_outputs(rows, eval_cfg.out_dir, name)
+    print(f"\n[{name}]\n" + format_table(rows))
+    return rows
+
+
+def table(base_rows, tuned: dict[tuple[float, str], list[dict[str, Any]]]) -> list[dict]:
+    """One row per (ratio, method): the base and the fine-tuned model, compressed, plus the
+    fine-tuned model uncompressed; every reference is the base uncompressed."""
+    ref = base_rows[0]
+    out = []
+    for r in base_rows[1:]:
+        method, label, ratio = r["method"], r["label"], r["kv_target"]
+        ft_rows = tuned.get((ratio, method))
+        ft = ft_rows[1] if ft_rows else None
+        ft_plain = ft_rows[0] if ft_rows else None
+
+        def rel(x: float) -> float:
+            return x / ref["ppl"] - 1.0
+
+        nan = float("nan")
+        out.append({
+            "ratio": ratio, "method": method, "setting": label,
+            "kv_reduction": 1.0 / r["kv_bytes_ratio"] if r["kv_bytes_ratio"] > 0 else nan,
+            "ppl_base_uncompressed": ref["ppl"],
+            "ppl_base_compressed": r["ppl"], "base_increase": rel(r["ppl"]),
+            "ppl_ft_compressed": ft["ppl"] if ft else nan,
+            "ft_increase": rel(ft["ppl"]) if ft else nan,
+            "ppl_ft_uncompressed": ft_plain["ppl"] if ft_plain else nan,
+            "recall_base_uncompressed": ref["recall_acc"],
+            "recall_base_compressed": r["recall_acc"],
+            "recall_ft_compressed": ft["recall_acc"] if ft else nan,
+            "attn_kl_base": r["attn_kl"], "attn_kl_ft": ft["attn_kl"] if ft else nan,
+        })  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
+    """Run the recipe; returns the table rows (None on ranks other than 0)."""
+    from unicache_train.checkpoint import load_checkpoint
+    from unicache_train.data.datamodule import LMDataModule
+    from unicache_train.train.run import fit
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return None
+    xopts, rest = split_args(args)
+    options, ft = fc.parse_args(["--config", str(HERE / "finetune_xkv.yaml"), *rest])
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    base_ckpt = Path(options.base_checkpoint or fc.pretrain_base(options, ft))
+    times["pretrain"] = time.perf_counter() - t0
+    if not base_ckpt.is_file():
+        raise FileNotFoundError(f"base checkpoint not found: {base_ckpt}")
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    base_model, base_cfg = load_checkpoint(base_ckpt)
+    ft.model = base_cfg.model
+    dm = LMDataModule(ft.data)
+    dm.setup("validate")
+    loader = dm.val_dataloader()
+
+    t = time.perf_counter()
+    base_rows = evaluate(base_model, ft, dm.tokenizer, loader, options, "base", rates=[],
+                         xkv_ratios=xopts.eval_ratios, match_unicache=True)  # fmt: skip
+    times["eval_base"] = time.perf_counter() - t
+    matched = {r["kv_target"]: r["rate"] for r in base_rows if r["method"] == "unicache"}
+    tuned: dict[tuple[float, str], list[dict[str, Any]]] = {}
+    for ratio in xopts.train_ratios:
+        runs = [("xkv", sub_config(ft, f"xkv_{ratio:g}x", method="xkv", xkv={"ratio": ratio}))]
+        if xopts.finetune_unicache:
+            if ratio not in matched:
+                raise ConfigError(f"recipe.train_ratios: {ratio} is not in recipe.eval_ratios")
+            rate = matched[ratio]
+            cfg = sub_config(ft, f"unicache_{ratio:g}x", method="unicache",
+                             unicache={"target_rate": rate})  # fmt: skip
+            runs.append(("unicache", cfg))
+        for method, cfg in runs:
+            t = time.perf_counter()
+            trainer = fit(cfg, callbacks=[fc.InitFromCheckpoint(base_ckpt)])
+            times[f"finetune_{method}_{ratio:g}x"] = time.perf_counter() - t
+            if not (trainer.is_global_zero and rank0):
+                continue
+            model, _ = load_checkpoint(Path(cfg.train.out_dir) / "checkpoints" / "last.ckpt")
+            name = f"finetuned_{method}_{ratio:g}x"
+            if method == "xkv":
+                rows = evaluate(model, cfg, dm.tokenizer, loader, options, name, rates=[],
+                                xkv_ratios=[ratio], match_unicache=False)  # fmt: skip
+            else:
+                rows = evaluate(model, cfg, dm.tokenizer, loader, options, name,
+                                rates=[cfg.compress.unicache.target_rate])  # fmt: skip
+                rows[1]["method"] = "unicache"
+            tuned[(ratio, method)] = rows
+    if not rank0:
+        return None
+    times["total"] = time.perf_counter() - t0
+    rows = table(base_rows, tuned)
+    xc = ft.compress.xkv
+    print(f"\nxKV (group {xc.group_size}, {xc.gradient} gradient) vs UniCache "
+          f"({ft.compress.preset}, int8) at the same KV bytes; base {base_ckpt}")  # fmt: skip
+    fc.print_table(rows)
+    print("increase: perplexity on continuations vs the base uncompressed")
+    print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()))
+    out = Path(ft.train.out_dir) / "finetune_xkv.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]) + ["wall_s_total"])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, "wall_s_total": f"{times['total']:.0f}"})
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
