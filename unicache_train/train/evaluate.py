@@ -502,7 +502,11 @@ def _settings(
             cfg = unicache_at_rate(base_unicache, rate, opts.quantize)
             bits = cfg.quantize.bits if cfg.quantize.active else None
             label = f"unicache @{ratio:g}x rate={rate:.3g}" + (f" int{bits}" if bits else "")
-            out.append(_Setting(label, "unicache", rate, bits, UniCacheCompressor(cfg), ratio))
+            uc = UniCacheCompressor(cfg)
+            if _measured_ratio(model, first_batch, uc, opts) > 1.02 * target:
+                # e.g. a modality cap (text 0.40 in the default preset) stops the rate
+                label += " (cannot reach these bytes)"
+            out.append(_Setting(label, "unicache", rate, bits, uc, ratio))
     return out
 
 
