@@ -281,6 +281,7 @@ class XKVCompressor:
         self.keep_reference = False
         self.reference_logits: torch.Tensor | None = None
         self._state: _Prepared | None = None
+        self._last: _Prepared | None = None
         self._latent = False
         self._rotary: Any = None
         self._pooled: dict[tuple[int, ...], tuple[Any, Any]] = {}
@@ -302,6 +303,9 @@ class XKVCompressor:
 
     def is_rate_zero(self) -> bool:
         return self.rate_scale == 0.0
+
+    def _causal(self) -> bool:
+        return self.config.gradient == "causal" and self.token is None
 
     # ---------------------------------------------------------------------- phase A
     @property
@@ -333,7 +337,7 @@ class XKVCompressor:
             split: [B].
             **kwargs: the model's other arguments (``modality_ids``, ``positions``, ...).
         """
-        self.release()
+        self._state = self._last = None
         self.reference_logits = None
         reference, step = self.keep_reference, self.step
         cfg = self.config
@@ -363,8 +367,13 @@ class XKVCompressor:
             self.reference_logits = out.logits
 
     def release(self) -> None:
-        """Drop the prepared state (and its graph)."""
-        self._state = None
+        """End the forward: the next forward prepares again.
+
+        The state stays readable until then, because activation recompute
+        (:mod:`unicache_train.train.strategies`) reruns the blocks, and so this compressor's
+        serving, during the backward pass that follows the forward.
+        """
+        self._last, self._state = self._state, None
 
     # ---------------------------------------------------------------------- fitting
     def _fit(self, rec: _Recorder, S: int, step: int | None) -> _Prepared:
@@ -466,7 +475,12 @@ class XKVCompressor:
         kept = (power[:, :r_max] * _rank_mask(rank, r_max)[:, 0].double()).sum(1)
         energy = (kept / power.sum(1).clamp_min(1e-300)).float()
         masked = [r * valid[..., None].to(r.dtype) for r in rows]
-        return _Side(masked, basis, rank, energy, widths, offsets)
+        side = _Side(masked, basis, rank, energy, widths, offsets)
+        if not self._causal():
+            # NOTE: here, outside any block: an activation-recompute region must redo exactly
+            # the ops it did the first time, so a block must not build a factor lazily.
+            side.token = sum(x.float() @ side.layer_basis(j) for j, x in enumerate(masked))  # type: ignore[assignment]
+        return side
 
     def _fit_group(self, rec: _Recorder, members: tuple[int, ...], S: int, pooled: bool) -> _Group:
         keys, values, meta = self._group_rows(rec, members, S)
@@ -500,9 +514,8 @@ class XKVCompressor:
     ) -> torch.Tensor:
         """A = X V_r [B, M, r] for member i's reconstruction (see ``gradient``)."""
         if current is None:  # exact: every member from phase A, computed once per group
-            if side.token is None:
-                side.token = sum(x.float() @ side.layer_basis(j) for j, x in enumerate(side.x))  # type: ignore[assignment]
-            return side.token  # type: ignore[return-value]
+            assert side.token is not None
+            return side.token
         seen[i] = current
         parts = []
         for j, x in enumerate(side.x):
@@ -513,7 +526,8 @@ class XKVCompressor:
         return sum(parts)  # type: ignore[return-value]
 
     def __call__(self, inp: CompressionInput) -> KVSegment:
-        st = self._state
+        # NOTE: after release() only a recompute of this forward's blocks calls again.
+        st = self._state if self._state is not None else self._last
         if st is None:
             raise RuntimeError(
                 "XKVCompressor is cross-layer: pass it to Decoder.forward (which prepares it) "
@@ -524,7 +538,7 @@ class XKVCompressor:
             return self._identity(inp)
         g, i = st.groups[inp.layer_idx]
         S = st.prefill
-        causal = self.config.gradient == "causal" and self.token is None
+        causal = self._causal()
         valid = g.valid
         vm = valid[..., None]
         cur_k = cur_v = None
