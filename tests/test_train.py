@@ -139,3 +139,44 @@ def test_fabric_run_ddp_two_processes_and_resume(tmp_path):
     # The second run logged only steps 8..11 and started from the trained weights.
     assert losses[8] < losses_before[0]
     assert ckpt["world_size"] == 2  # two ranks really ran (gloo)
+
+
+def test_cli_fit_accepts_compress_section(monkeypatch):
+    """``unicache-train fit --compress.*`` reaches the run config (preset merge included)."""
+    import unicache_train.train.run as run_mod
+    from unicache_train.cli import main
+
+    seen = {}
+    monkeypatch.setattr(run_mod, "fit", lambda config: seen.setdefault("config", config))
+    main([
+        "fit", "--compress.enabled", "true", "--compress.preset", "text_style_baseline",
+        "--compress.unicache.target_rate", "0.5", "--compress.unicache.quantize.bits", "4",
+        "--compress.kl_weight", "0.25",
+    ])
+    cc = seen["config"].compress
+    assert cc.enabled and cc.kl_weight == 0.25
+    assert cc.unicache.target_rate == 0.5 and cc.unicache.quantize.bits == 4
+    # The preset's own settings survive the override (text_style_baseline: no modality budget).
+    assert cc.unicache.budget.enabled is False
+    with pytest.raises(SystemExit):
+        main(["fit", "--compress.unicache.target_rate", "1.5"])
+
+
+def test_cli_fit_compress_preset_and_config_file(monkeypatch, tmp_path):
+    """A preset chosen in a --config file or on the command line is not hidden by the default
+    preset, and dotted flags merge over the file's ``compress.unicache`` mapping."""
+    import unicache_train.train.run as run_mod
+    from unicache_train.cli import main
+
+    seen = []
+    monkeypatch.setattr(run_mod, "fit", lambda config: seen.append(config))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "compress:\n  enabled: true\n  preset: text_style_baseline\n"
+        "  unicache:\n    target_rate: 0.5\n    quantize: {bits: 4}\n"
+    )
+    main(["fit", "--config", str(cfg), "--compress.unicache.quantize.bits=8"])
+    main(["fit", "--compress.preset", "text_style_baseline"])
+    first, second = (c.compress.unicache for c in seen)
+    assert first.target_rate == 0.5 and first.quantize.bits == 8 and not first.budget.enabled
+    assert not second.budget.enabled and second.importance.normalize == "global"

@@ -8,9 +8,11 @@ Each subcommand is a plain function; its typed signature and docstring make the 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 from unicache_train.config import (
+    CompressionTrainConfig,
     ConfigError,
     DataConfig,
     LoggingConfig,
@@ -28,6 +30,7 @@ def fit(
     train: TrainConfig = TrainConfig(),  # noqa: B008
     logging: LoggingConfig = LoggingConfig(),  # noqa: B008
     monitor: MonitorConfig = MonitorConfig(),  # noqa: B008
+    compress: CompressionTrainConfig = CompressionTrainConfig(),  # noqa: B008
 ) -> None:
     """Train (or resume) a model: pretraining from scratch on the bundled synthetic corpus by
     default. Writes checkpoints and the resolved config.yaml under ``train.out_dir``.
@@ -40,10 +43,18 @@ def fit(
         logging: logger (wandb offline by default, csv, tensorboard, none) and run metadata.
         monitor: per-layer signal-gain monitor (interval, 2x threshold, stop rule, plots) and
             compression-quality logging interval.
+        compress: KV compression in the training loop (off by default), e.g.
+            ``--compress.enabled true --compress.preset text_style_baseline
+            --compress.unicache.target_rate 0.6 --compress.kl_weight 0.5``.
     """
     from unicache_train.train.run import fit as run_fit
 
-    run_fit(RunConfig(model=model, data=data, train=train, logging=logging, monitor=monitor))
+    run_fit(
+        RunConfig(
+            model=model, data=data, train=train, logging=logging, monitor=monitor,
+            compress=compress,
+        )
+    )
 
 
 def evaluate(
@@ -195,6 +206,75 @@ def export(
     return str(path)
 
 
+_MAPPING_SECTIONS = ("unicache", "xkv")
+
+
+def _fold_compress_flags(argv: list[str]) -> list[str]:
+    """Pass ``compress.unicache`` / ``compress.xkv`` to ``fit`` as one mapping each.
+
+    These sections are *overrides of a preset* (merged onto ``compress.preset`` when the config is
+    built). Left to the parser, a dotted flag such as ``--compress.unicache.target_rate 0.5``
+    would be applied to the fully expanded default preset, which then hides the chosen preset.
+    So the dotted flags (values read as YAML scalars) are folded, over the ``compress`` section of
+    any ``--config`` file, into one JSON mapping per section appended to the arguments.
+    """
+    import json
+
+    import yaml
+
+    from unicache_train.config import deep_merge
+
+    if not argv or argv[0] not in ("fit", "pretrain"):
+        return argv
+    rest: list[str] = [argv[0]]
+    folded: dict[str, dict[str, Any]] = {name: {} for name in _MAPPING_SECTIONS}
+    from_files: dict[str, dict[str, Any]] = {name: {} for name in _MAPPING_SECTIONS}
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, value = arg.partition("=")
+        if key == "--config":
+            path = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+            if path is not None and Path(path).is_file():
+                loaded = yaml.safe_load(Path(path).read_text()) or {}
+                section = loaded.get("compress") if isinstance(loaded, dict) else None
+                for name in _MAPPING_SECTIONS:
+                    sub = section.get(name) if isinstance(section, dict) else None
+                    if isinstance(sub, dict):
+                        from_files[name] = deep_merge(from_files[name], sub)
+        parts = key.split(".")
+        if len(parts) >= 3 and parts[0] == "--compress" and parts[1] in _MAPPING_SECTIONS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{key}: missing value")
+                value = argv[i + 1]
+                i += 1
+            node = folded[parts[1]]
+            for part in parts[2:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = yaml.safe_load(value)
+            i += 1
+            continue
+        if len(parts) == 2 and parts[0] == "--compress" and parts[1] in _MAPPING_SECTIONS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{key}: missing value")
+                value = argv[i + 1]
+                i += 1
+            mapping = yaml.safe_load(value)
+            if not isinstance(mapping, dict):
+                raise ConfigError(f"{key}={value!r}: expected a mapping (JSON or YAML)")
+            folded[parts[1]] = deep_merge(folded[parts[1]], mapping)
+            i += 1
+            continue
+        rest.append(arg)
+        i += 1
+    for name in _MAPPING_SECTIONS:
+        merged = deep_merge(from_files[name], folded[name])
+        rest += [f"--compress.{name}", json.dumps(merged)]
+    return rest
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``unicache-train`` console script."""
     from jsonargparse import CLI
@@ -203,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     from unicache_train.checkpoint.hf import HFCheckpointError
 
     try:
+        argv = _fold_compress_flags(list(sys.argv[1:] if argv is None else argv))
         CLI(
             {"fit": fit, "pretrain": fit, "evaluate": evaluate, "generate": generate,
              "export": export},
