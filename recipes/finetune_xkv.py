@@ -69,11 +69,16 @@ class XKVOptions:
         eval_ratios: KV-bytes reductions at which the base is evaluated (xKV and UniCache).
         train_ratios: one xKV fine-tune (and UniCache fine-tune) per ratio.
         finetune_unicache: also fine-tune UniCache at the same bytes, for the side-by-side.
+        control: also fine-tune the same number of steps with the identity compressor (same
+            splits, loss and KL, nothing compressed: ``<out_dir>/control``) and evaluate it
+            under every setting; fine-tuning is also more training of a small base, and the
+            control separates that from learning to tolerate compression.
     """
 
     eval_ratios: list[float] = field(default_factory=lambda: [4.0, 8.0])
     train_ratios: list[float] = field(default_factory=lambda: [4.0, 8.0])
     finetune_unicache: bool = True
+    control: bool = True
 
 
 def split_args(argv: list[str]) -> tuple[XKVOptions, list[str]]:
@@ -142,13 +147,17 @@ def evaluate(model, config: RunConfig, tokenizer, loader, options, name: str, **
     return rows
 
 
-def table(base_rows, tuned: dict[tuple[float, str], list[dict[str, Any]]]) -> list[dict]:
+def table(
+    base_rows, tuned: dict[tuple[float, str], list[dict[str, Any]]], control=None
+) -> list[dict]:
     """One row per (ratio, method): the base and the fine-tuned model, compressed, plus the
-    fine-tuned model uncompressed; every reference is the base uncompressed."""
+    fine-tuned model uncompressed and the control (fine-tuned without compression) compressed
+    and uncompressed; every reference is the base uncompressed."""
     ref = base_rows[0]
     out = []
-    for r in base_rows[1:]:
+    for k, r in enumerate(base_rows[1:]):
         method, label, ratio = r["method"], r["label"], r["kv_target"]
+        ctrl = control[k + 1] if control else None
         ft_rows = tuned.get((ratio, method))
         ft = ft_rows[1] if ft_rows else None
         ft_plain = ft_rows[0] if ft_rows else None
@@ -165,9 +174,13 @@ def table(base_rows, tuned: dict[tuple[float, str], list[dict[str, Any]]]) -> li
             "ppl_ft_compressed": ft["ppl"] if ft else nan,
             "ft_increase": rel(ft["ppl"]) if ft else nan,
             "ppl_ft_uncompressed": ft_plain["ppl"] if ft_plain else nan,
+            "ppl_ctrl_compressed": ctrl["ppl"] if ctrl else nan,
+            "ctrl_increase": rel(ctrl["ppl"]) if ctrl else nan,
+            "ppl_ctrl_uncompressed": control[0]["ppl"] if control else nan,
             "recall_base_uncompressed": ref["recall_acc"],
             "recall_base_compressed": r["recall_acc"],
             "recall_ft_compressed": ft["recall_acc"] if ft else nan,
+            "recall_ctrl_compressed": ctrl["recall_acc"] if ctrl else nan,
             "attn_kl_base": r["attn_kl"], "attn_kl_ft": ft["attn_kl"] if ft else nan,
         })  # fmt: skip
     return out
@@ -229,10 +242,29 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
                                 rates=[cfg.compress.unicache.target_rate])  # fmt: skip
                 rows[1]["method"] = "unicache"
             tuned[(ratio, method)] = rows
+    control = None
+    if xopts.control:
+        cfg = sub_config(ft, "control", method="none")
+        t = time.perf_counter()
+        trainer = fit(cfg, callbacks=[fc.InitFromCheckpoint(base_ckpt)])
+        times["finetune_control"] = time.perf_counter() - t
+        if trainer.is_global_zero and rank0:
+            model, _ = load_checkpoint(Path(cfg.train.out_dir) / "checkpoints" / "last.ckpt")
+            # The base's settings (UniCache at the rates calibrated on the base), in the base's
+            # row order.
+            xrows = evaluate(model, cfg, dm.tokenizer, loader, options, "control_xkv", rates=[],
+                             xkv_ratios=xopts.eval_ratios, match_unicache=False)  # fmt: skip
+            by_ratio = evaluate(model, cfg, dm.tokenizer, loader, options, "control_unicache",
+                                rates=[matched[r] for r in xopts.eval_ratios])  # fmt: skip
+            control = [xrows[0]]
+            for r in base_rows[1:]:
+                src = xrows if r["method"] == "xkv" else by_ratio
+                idx = xopts.eval_ratios.index(r["kv_target"]) + 1
+                control.append(src[idx])
     if not rank0:
         return None
     times["total"] = time.perf_counter() - t0
-    rows = table(base_rows, tuned)
+    rows = table(base_rows, tuned, control)
     xc = ft.compress.xkv
     print(f"\nxKV (group {xc.group_size}, {xc.gradient} gradient) vs UniCache "
           f"({ft.compress.preset}, int8) at the same KV bytes; base {base_ckpt}")  # fmt: skip
