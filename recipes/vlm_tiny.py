@@ -10,9 +10,14 @@ On a shared, loaded CPU set ``OMP_NUM_THREADS=1`` (the compressor runs many smal
 
 Stages (base config ``vlm_tiny.yaml``; fine-tune config ``vlm_tiny_finetune.yaml`` merged onto it):
 
-1. **base**: train the VLM (vision tower + projector + decoder) uncompressed on the synthetic
-   scenes (:mod:`unicache_train.data.scenes`: describe / count / refer), split at the answer,
-   loss on the answer; resumable (``<train.out_dir>``, default ``runs/vlm_tiny/base``).
+0. **vision tower**: pretrain it on per-patch shape labels
+   (:mod:`unicache_train.train.vision_pretrain`; real VLMs start from a pretrained encoder) unless
+   ``vision.init_weights`` names one; saved as ``<train.out_dir>/vision_tower.safetensors`` and
+   reused when present.
+1. **base**: train the VLM (projector + decoder; the tower frozen as in ``vlm_tiny.yaml``)
+   uncompressed on the synthetic scenes (:mod:`unicache_train.data.scenes`: describe / count /
+   refer), split at the answer, loss on the answer; resumable (``<train.out_dir>``, default
+   ``runs/vlm_tiny/base``).
 2. **evaluate the base** per task type: greedy answers decoded on the real compressed cache
    (:mod:`unicache_train.train.evaluate_vlm`) uncompressed and for each variant x rate: (a)
    ``text_style`` (global normalization, uniform budgets, no protection), (a')
@@ -69,6 +74,7 @@ class RecipeOptions:
         rate_grid: run the fixed visual x text rate grid.
         grid_vision, grid_text: the grid's visual and text rates.
         results_dir: where tables and plots go (default ``<base out_dir>/../results``).
+        vision_steps: steps of the vision tower pretraining (stage 0).
     """
 
     base_checkpoint: str | None = None
@@ -86,13 +92,14 @@ class RecipeOptions:
         ]
     )
     finetuned_variants: list[str] = field(default_factory=lambda: ["unicache"])
-    num_per_task: int = 100
+    num_per_task: int = 200
     eval_seed: int = 10_007
     eval_batch_size: int = 50
     rate_grid: bool = True
     grid_vision: list[float] = field(default_factory=lambda: [0.5, 0.65, 0.7, 0.75, 0.8])
     grid_text: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.25, 0.3, 0.4])
     results_dir: str | None = None
+    vision_steps: int = 300
 
 
 def parse_args(argv: list[str]) -> tuple[RecipeOptions, Any]:
@@ -147,6 +154,30 @@ def finetune_config(options: RecipeOptions, base: Any) -> Any:
     d = base.to_dict()
     d["compress"].pop("unicache")  # the fine-tune's preset + overrides decide it
     return VLMRunConfig.from_dict(deep_merge(d, over))
+
+
+def pretrain_tower(options: RecipeOptions, base: Any) -> Path:
+    """Stage 0: the pretrained tower's weights file (trained once, then reused)."""
+    from unicache_train.model.vision import VisionEncoder
+    from unicache_train.train.vision_pretrain import VisionPretrainConfig, pretrain_vision_tower
+
+    path = Path(base.train.out_dir) / "vision_tower.safetensors"
+    if path.is_file():
+        return path
+    if int(os.environ.get("RANK", "0")) != 0:
+        raise RuntimeError(
+            f"{path} is missing: run the recipe once on one process (stage 0 pretrains the "
+            "vision tower), or set vision.init_weights"
+        )
+    import torch
+
+    torch.manual_seed(base.train.seed)
+    tower = VisionEncoder(base.vision)
+    stats = pretrain_vision_tower(
+        tower, base.data.scenes, VisionPretrainConfig(steps=options.vision_steps), save_to=path
+    )
+    print(f"vision tower pretrained: {stats}; saved {path}")
+    return path
 
 
 def grid_configs(base_unicache: Any, vision: list[float], text: list[float]) -> dict[str, Any]:
@@ -366,6 +397,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     options, base_cfg = parse_args(args)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
+    if options.base_checkpoint is None and base_cfg.vision.init_weights is None:
+        base_cfg.vision.init_weights = str(pretrain_tower(options, base_cfg))
+        times["vision_pretrain"] = time.perf_counter() - t0
     if options.base_checkpoint is None:
         trainer = fit_vlm(base_cfg)
         if not trainer.is_global_zero:

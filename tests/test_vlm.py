@@ -401,6 +401,36 @@ def test_vlm_module_in_loop_compression_fit_and_reload(tmp_path: Path) -> None:
     assert len(per_layer) == 2 and float(logs["compress/keep_ratio/vision"]) < 1.0
 
 
+def test_vision_pretraining_learns_patches_and_loads_as_init_weights(tmp_path: Path) -> None:
+    from unicache_train.data.scenes import NUM_CELL_CLASSES, cell_labels
+    from unicache_train.model.vision import VisionEncoder
+    from unicache_train.train.vision_pretrain import VisionPretrainConfig, pretrain_vision_tower
+
+    s = make_sample(SCENES, 0, 0)
+    lab = s["cell_labels"][0]
+    assert lab.shape == (16,) and int((lab > 0).sum()) >= 1 and lab.max() < NUM_CELL_CLASSES
+    torch.manual_seed(0)
+    cfg = tiny_run(tmp_path)
+    tower = VisionEncoder(cfg.vision)
+    stats = pretrain_vision_tower(
+        tower, cfg.data.scenes, VisionPretrainConfig(steps=40, batch_size=32, eval_images=32),
+        save_to=tmp_path / "tower.safetensors", progress=False,
+    )  # fmt: skip
+    assert stats["patch_acc"] > 0.9  # background alone is ~0.85; shapes must be found too
+    assert stats["shape_patch_acc"] > 0.2  # 20 classes: well above chance after 40 steps
+    cfg.vision.init_weights = str(tmp_path / "tower.safetensors")
+    cfg.vision.freeze_encoder = True
+    module = VLMModule(cfg)
+    torch.testing.assert_close(module.model.vision_tower.patch_embed.weight,
+                               tower.patch_embed.weight)  # fmt: skip
+    assert not any(p.requires_grad for p in module.model.vision_tower.parameters())
+    assert cell_labels  # exported
+    with pytest.raises(ConfigError, match="init_weights"):
+        VisionConfig(init_weights="tower.pt")
+    with pytest.raises(ConfigError, match="one shape per patch"):
+        pretrain_vision_tower(VisionEncoder(VisionConfig()), SCENES, progress=False)
+
+
 def test_init_weights_from_a_text_decoder(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -486,7 +516,7 @@ def test_recipe_end_to_end_tiny(tmp_path: Path) -> None:
         f"finetune.train.out_dir={tmp_path / 'ft'}", "finetune.train.val_every_n_steps=2",
         "finetune.train.limit_val_batches=1", "recipe.num_per_task=2",
         "recipe.eval_batch_size=6", "recipe.rates=[0.3,0.6]", "recipe.grid_vision=[0.65,0.8]",
-        "recipe.grid_text=[0.25]",
+        "recipe.grid_text=[0.25]", "recipe.vision_steps=5",
     ])  # fmt: skip
     res = tmp_path / "results"
     for name in ("vlm_eval.csv", "vlm_eval.md", "vlm_eval.png", "vlm_rate_grid.csv",

@@ -55,6 +55,8 @@ __all__ = [
     "make_sample",
     "scene_samples",
     "scene_words",
+    "cell_labels",
+    "NUM_CELL_CLASSES",
 ]
 
 #: Placeholder of one image inside a prompt.
@@ -286,6 +288,23 @@ def _refer_scene(
     return scene, ref, tgt, rel
 
 
+#: Classes of :func:`cell_labels`: 0 background (plain or textured), then colour x kind.
+NUM_CELL_CLASSES = 1 + len(COLOURS) * len(KINDS)
+
+
+def cell_labels(scene: Scene, cfg: SceneConfig) -> np.ndarray:
+    """int64 [grid * grid], row-major: 0 for background, ``1 + colour * len(KINDS) + kind`` for
+    the cell holding a shape (supervision for pretraining a vision tower, as real VLMs start
+    from a pretrained encoder)."""
+    out = np.zeros(cfg.grid * cfg.grid, dtype=np.int64)
+    colours = list(COLOURS)
+    for sh in scene.shapes:
+        out[sh.row * cfg.grid + sh.col] = 1 + colours.index(sh.colour) * len(KINDS) + KINDS.index(
+            sh.kind
+        )
+    return out
+
+
 def _article(kind: str) -> str:
     return f"a {kind}"
 
@@ -306,7 +325,8 @@ def make_sample(cfg: SceneConfig, seed: int, index: int, task: str | None = None
     Returns:
         dict with ``images`` (list of float32 [3, H, W]), ``prompt`` (text with one
         :data:`IMAGE_MARK` per image, ending with the question and a space), ``answer``,
-        ``task`` and ``target_image`` (index of the image the question is about).
+        ``task``, ``target_image`` (index of the image the question is about) and
+        ``cell_labels`` (per image, :func:`cell_labels`: what each cell holds).
     """
     rng = np.random.default_rng([seed, index])
     if task is None:
@@ -350,6 +370,7 @@ def make_sample(cfg: SceneConfig, seed: int, index: int, task: str | None = None
             n = sum(s.kind == pick.kind for s in shapes)
         answer = _count_answer(n)
     images = [render_scene(s, cfg, rng) for s in scenes]
+    labels = [cell_labels(s, cfg) for s in scenes]
     if n_img == 1:
         prompt = f"{IMAGE_MARK}{question} "
     else:
@@ -361,6 +382,7 @@ def make_sample(cfg: SceneConfig, seed: int, index: int, task: str | None = None
         "answer": answer,
         "task": task,
         "target_image": target,
+        "cell_labels": labels,
     }
 
 

@@ -45,6 +45,9 @@ class VisionConfig:
         projector: ``"mlp"`` (Linear, GELU, Linear; LLaVA-1.5) or ``"linear"``.
         freeze_encoder: keep the vision tower (patch embedding, blocks, final norm) frozen:
             no gradient, not in the optimizer. The projector still trains.
+        init_weights: a ``.safetensors`` file of pretrained tower weights (names relative to
+            the tower, e.g. from :func:`~unicache_train.train.vision_pretrain.
+            pretrain_vision_tower`), loaded by the training module before training.
         rms_norm_eps: epsilon of the tower's RMSNorms.
         initializer_range: std of the normal init of its linear weights and position table.
     """
@@ -58,6 +61,7 @@ class VisionConfig:
     num_attention_heads: int = 2
     projector: str = "mlp"
     freeze_encoder: bool = False
+    init_weights: str | None = None
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
 
@@ -83,6 +87,13 @@ class VisionConfig:
         if not isinstance(self.freeze_encoder, bool):
             raise ConfigError(
                 f"VisionConfig.freeze_encoder={self.freeze_encoder!r}: expected true or false"
+            )
+        if self.init_weights is not None and (
+            not isinstance(self.init_weights, str) or not self.init_weights.endswith(".safetensors")
+        ):
+            raise ConfigError(
+                f"VisionConfig.init_weights={self.init_weights!r}: expected None or the path of "
+                "a .safetensors file of vision tower weights"
             )
         _range(self, "rms_norm_eps", 0, 1, lo_open=True)
         _range(self, "initializer_range", 0, 1, lo_open=True)

@@ -141,7 +141,15 @@ class VLMModule(LMModule):
         super().__init__(config)  # type: ignore[arg-type]  # duck-typed RunConfig
 
     def build_model(self) -> VisionLanguageModel:
-        return VisionLanguageModel(self.config.model, self.config.vision)
+        model = VisionLanguageModel(self.config.model, self.config.vision)
+        path = self.config.vision.init_weights
+        if path is not None:  # a pretrained tower (a resumed run's checkpoint overrides it)
+            from safetensors.torch import load_file
+
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"VisionConfig.init_weights={path!r}: no such file")
+            model.vision_tower.load_state_dict(load_file(path), strict=True)
+        return model
 
     def _load_init_weights(self, path: str) -> None:
         """Start from a text decoder's (or a whole VLM's) ``.safetensors`` weights: every decoder
