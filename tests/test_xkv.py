@@ -163,6 +163,25 @@ def test_energy_rank_is_the_smallest_reaching_the_threshold() -> None:
     assert r.tolist() == [2, 4]
 
 
+def test_bf16_model_factorises_in_fp32() -> None:
+    model = tiny().to(torch.bfloat16)
+    ids = torch.randint(0, V, (2, 36))
+    split = torch.tensor([30, 21])
+    comp = Capture(XKVCompressor(XKVConfig(group_size=3, rank_fraction=1.0)))
+    with torch.no_grad():
+        out = model(ids, split=split, compressor=comp)
+    low = comp.segments[0].lowrank
+    assert low.layer_k.dtype == torch.float32 and low.token_k.dtype == torch.float32
+    assert comp.segments[0].keys.dtype == torch.bfloat16 and torch.isfinite(out.logits).all()
+    # Full rank in fp32 reproduces the factorised (phase A, bf16) rows to fp32 round-off. (The
+    # in-loop forward's own bf16 K/V may differ from them by bf16 round-off: the two passes
+    # run the context in differently shaped attention calls.)
+    group, i = comp.inner._last.groups[1]
+    x = group.keys.x[i].float()  # [B, S, Hk*D], masked
+    k_hat = flatten_heads(comp.segments[1].lowrank.reconstruct()[0])
+    torch.testing.assert_close(k_hat * (x != 0).any(-1, keepdim=True), x, atol=1e-5, rtol=1e-4)
+
+
 # ------------------------------------------------------------------ in-loop == inference
 CASES = {
     "g2_fraction": dict(group_size=2, rank_fraction=0.25),
