@@ -26,8 +26,12 @@ Stages (base config ``vlm_tiny.yaml``; fine-tune config ``vlm_tiny_finetune.yaml
 3. **fine-tune** with UniCache in the training loop (``LMModule``'s in-loop compression: KL to
    the uncompressed forward, rate curriculum), from the base weights (resumable).
 4. **evaluate the fine-tuned model**: uncompressed and (d) ``unicache``.
+   **control** (``recipe.control_finetune``): the same fine-tune with ``compress.method=none``
+   (same steps, data, splits and loss, nothing compressed), evaluated the same way, so (d) is
+   compared with "more training" and not only with the base.
 5. **rate grid** (``recipe.rate_grid``): fixed visual x text rates (mean over layers) with the
-   rest of UniCache at its defaults, on both models: where is accuracy stable?
+   rest of UniCache at its defaults (on the base also without alignment protection), on both
+   models: where is accuracy stable?
 6. **outputs** under ``recipe.results_dir`` (default ``<base out_dir>/../results``):
    ``vlm_eval.csv`` / ``.md`` / ``.png`` (accuracy per task vs rate), ``vlm_rate_grid.csv`` /
    ``.png``, ``claims.md`` (the source's claims checked against these numbers).
@@ -75,6 +79,7 @@ class RecipeOptions:
         grid_vision, grid_text: the grid's visual and text rates.
         results_dir: where tables and plots go (default ``<base out_dir>/../results``).
         vision_steps: steps of the vision tower pretraining (stage 0).
+        control_finetune: also run the plain (uncompressed) fine-tune control.
     """
 
     base_checkpoint: str | None = None
@@ -86,6 +91,7 @@ class RecipeOptions:
         default_factory=lambda: [
             "text_style",
             "text_style_pooled",
+            "pooled_modality_norm",
             "unicache",
             "unicache_no_protect",
             "unicache_global_norm",
@@ -100,6 +106,7 @@ class RecipeOptions:
     grid_text: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.25, 0.3, 0.4])
     results_dir: str | None = None
     vision_steps: int = 300
+    control_finetune: bool = True
 
 
 def parse_args(argv: list[str]) -> tuple[RecipeOptions, Any]:
@@ -180,6 +187,17 @@ def pretrain_tower(options: RecipeOptions, base: Any) -> Path:
     return path
 
 
+def control_config(ft: Any) -> Any:
+    """The fine-tune with nothing compressed: same steps, data, splits and loss."""
+    from unicache_train.train.vlm import VLMRunConfig
+
+    d = ft.to_dict()
+    d["compress"].update(method="none", kl_weight=0.0, curriculum_steps=0)
+    d["train"]["out_dir"] = str(Path(ft.train.out_dir).parent / "finetune_control")
+    d["logging"]["name"] = f"{ft.logging.name or 'vlm_tiny'}_control"
+    return VLMRunConfig.from_dict(d)
+
+
 def grid_configs(base_unicache: Any, vision: list[float], text: list[float]) -> dict[str, Any]:
     """UniCache at its defaults with fixed visual and text rates (mean over layers)."""
     from unicache_train.compress.config import UniCacheConfig
@@ -223,7 +241,13 @@ def claims_report(rows: list[dict], grid: list[dict], rate: float = 0.6) -> str:
     lines += ["", "## 1. Global normalization makes the model ignore the image", ""]
     lines.append("| variant | rate | vision kept | text kept | acc | describe | count | refer |")
     lines.append("|---|---|---|---|---|---|---|---|")
-    for variant in ("unicache", "unicache_global_norm", "text_style", "text_style_pooled"):
+    for variant in (
+        "unicache",
+        "unicache_global_norm",
+        "text_style",
+        "text_style_pooled",
+        "pooled_modality_norm",
+    ):
         for r in sorted({x["rate"] for x in rows if x["variant"] == variant}):
             row = get("base", variant, r)
             if row is None:
@@ -252,8 +276,8 @@ def claims_report(rows: list[dict], grid: list[dict], rate: float = 0.6) -> str:
     if grid:
         lines += ["", "## 3. Visual 0.65-0.75 with text 0.20-0.30 is a stable region", ""]
         for model in dict.fromkeys(g["model"] for g in grid):
-            ref = next(r for r in rows if r["model"] == model and r["variant"] == "uncompressed")
-            mine = [g for g in grid if g["model"] == model]
+            ref = next(g for g in grid if g["model"] == model and g["variant"] == "uncompressed")
+            mine = [g for g in grid if g["model"] == model and g["variant"] != "uncompressed"]
             inside = [
                 g for g in mine if 0.65 <= g["vision_rate"] <= 0.75 and 0.2 <= g["text_rate"] <= 0.3
             ]
@@ -313,7 +337,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot_grid(grid: list[dict], rows: list[dict], path: Path) -> None:
+def plot_grid(grid: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # NOTE: before pyplot is imported
@@ -326,8 +350,8 @@ def plot_grid(grid: list[dict], rows: list[dict], path: Path) -> None:
         len(models), len(keys), figsize=(5.2 * len(keys), 4.2 * len(models)), squeeze=False
     )
     for mi, model in enumerate(models):
-        ref = next(r for r in rows if r["model"] == model and r["variant"] == "uncompressed")
-        mine = [g for g in grid if g["model"] == model]
+        ref = next(g for g in grid if g["model"] == model and g["variant"] == "uncompressed")
+        mine = [g for g in grid if g["model"] == model and g["variant"] != "uncompressed"]
         vs = sorted({g["vision_rate"] for g in mine})
         ts = sorted({g["text_rate"] for g in mine})
         for ki, key in enumerate(keys):
@@ -387,6 +411,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         evaluate_vlm,
         format_vlm_table,
         plot_accuracy,
+        variant_config,
     )
     from unicache_train.train.vlm import InitFromCheckpoint, fit_vlm, load_vlm_checkpoint
 
@@ -458,12 +483,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         times["eval_finetuned"] = time.perf_counter() - t
         print(format_vlm_table(tuned))
         rows += tuned
+    if not options.skip_finetune and options.control_finetune:
+        t = time.perf_counter()
+        ctl_cfg = control_config(ft_cfg)
+        fit_vlm(ctl_cfg, callbacks=[InitFromCheckpoint(base_ckpt)])
+        ctl_model, _ = load_vlm_checkpoint(
+            Path(ctl_cfg.train.out_dir) / "checkpoints" / "last.ckpt"
+        )
+        ctl = evaluate_vlm(
+            ctl_model, tok, scenes, uc,
+            VLMEvalConfig(variants=options.finetuned_variants, **ev),
+            model_label="finetuned_control",
+        )  # fmt: skip
+        times["control"] = time.perf_counter() - t
+        print(format_vlm_table(ctl))
+        rows += ctl
 
     grid: list[dict] = []
     if options.rate_grid:
         t = time.perf_counter()
         configs = grid_configs(uc, options.grid_vision, options.grid_text)
-        for label, model in (("base", base_model), ("finetuned", tuned_model)):
+        no_protect = {
+            k: variant_config(c, "unicache_no_protect", c.target_rate) for k, c in configs.items()
+        }
+        for label, model, cfgs in (
+            ("base", base_model, configs),
+            ("base, no protection", base_model, no_protect),
+            ("finetuned", tuned_model, configs),
+        ):
             if model is None:
                 continue
             g = evaluate_vlm(
@@ -477,12 +524,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                     **{k: v for k, v in ev.items() if k != "rates"},
                 ),
                 model_label=label,
-                configs=configs,
+                configs=cfgs,
             )
             for r in g:
-                if r["variant"].startswith("fixed "):
-                    c = configs[r["variant"]].budget
-                    grid.append({**r, "vision_rate": c.vision_rate, "text_rate": c.text_rate})
+                c = cfgs[r["variant"]].budget if r["variant"] in cfgs else None
+                if c is not None or r["variant"] == "uncompressed":
+                    vr, tr = (c.vision_rate, c.text_rate) if c is not None else (math.nan,) * 2
+                    grid.append({**r, "vision_rate": vr, "text_rate": tr})
         times["rate_grid"] = time.perf_counter() - t
 
     plot_accuracy(rows, results / "vlm_eval.png")
@@ -490,7 +538,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     (results / "vlm_eval.md").write_text(markdown_table(rows))
     if grid:
         write_csv(grid, results / "vlm_rate_grid.csv")
-        plot_grid(grid, rows, results / "vlm_rate_grid.png")
+        plot_grid(grid, results / "vlm_rate_grid.png")
     claims = claims_report(rows, grid)
     (results / "claims.md").write_text(claims)
     times["total"] = time.perf_counter() - t0

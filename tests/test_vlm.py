@@ -524,4 +524,7 @@ def test_recipe_end_to_end_tiny(tmp_path: Path) -> None:
         assert (res / name).stat().st_size > 0, name
     variants = {(r["model"], r["variant"]) for r in out["rows"]}
     assert ("finetuned", "unicache") in variants and ("base", "text_style") in variants
-    assert len(out["grid"]) == 4
+    assert ("finetuned_control", "unicache") in variants  # the plain fine-tune control
+    cells = [g for g in out["grid"] if g["variant"] != "uncompressed"]
+    assert len(cells) == 6  # base, base without protection, fine-tuned: 2 x 1 rates each
+    assert {g["model"] for g in cells} == {"base", "base, no protection", "finetuned"}

@@ -20,6 +20,9 @@ Variants (the issue's (a)-(d) plus ablations that isolate one step each):
   protection (``presets.text_style_baseline``), the issue's (a);
 * ``text_style_pooled``: global normalization and one pooled budget (a text method's global
   top-k: modalities compete for the removal), no protection (``presets.text_style_pooled``);
+* ``pooled_modality_norm``: the same pooled budget with per-modality normalization (isolates
+  the normalization inside a pooled budget, where the source's "ignores the image" would
+  show);
 * ``unicache``: the full pipeline at its defaults (b); on a compression-aware fine-tuned model
   it is (d);
 * ``unicache_no_protect``: the full pipeline without alignment protection (c);
@@ -72,6 +75,11 @@ def _text_style_pooled(cfg: Any) -> None:
     cfg.protect.enabled = False
 
 
+def _pooled_modality_norm(cfg: Any) -> None:
+    cfg.budget.allocation = "pooled"
+    cfg.protect.enabled = False
+
+
 def _no_protect(cfg: Any) -> None:
     cfg.protect.enabled = False
 
@@ -88,6 +96,7 @@ def _uniform(cfg: Any) -> None:
 VARIANTS: dict[str, Callable[[Any], None]] = {
     "text_style": _text_style,
     "text_style_pooled": _text_style_pooled,
+    "pooled_modality_norm": _pooled_modality_norm,
     "unicache": lambda cfg: None,
     "unicache_no_protect": _no_protect,
     "unicache_global_norm": _global_norm,
@@ -425,11 +434,28 @@ def write_vlm_outputs(
 _STYLE = {
     "text_style": ("tab:red", "(a) text-style baseline"),
     "text_style_pooled": ("tab:orange", "(a') text-style, pooled top-k"),
+    "pooled_modality_norm": ("tab:olive", "pooled top-k, per-modality normalization"),
     "unicache": ("tab:blue", "(b) UniCache"),
     "unicache_no_protect": ("tab:purple", "(c) UniCache, no alignment protection"),
     "unicache_global_norm": ("tab:brown", "UniCache, global normalization"),
     "unicache_uniform": ("tab:gray", "UniCache, uniform budgets"),
 }
+
+
+#: Lines of models other than "base": (model, variant) -> (colour, style, label).
+_MODEL_STYLE = {
+    ("finetuned", "unicache"): ("tab:cyan", "-",
+                                "(d) UniCache after compression-aware fine-tuning"),
+    ("finetuned_control", "unicache"): ("tab:green", "--",
+                                        "UniCache after plain fine-tuning (control)"),
+}  # fmt: skip
+
+
+def _line_style(model: str, variant: str) -> tuple[str | None, str, str]:
+    if model == "base":
+        colour, label = _STYLE.get(variant, (None, variant))
+        return colour, "-", label
+    return _MODEL_STYLE.get((model, variant), (None, ":", f"{variant} [{model}]"))
 
 
 def plot_accuracy(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
@@ -458,13 +484,10 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], path: str | Path, title: str =
                 pts = sorted((r["rate"], r[key]) for r in mine if r["variant"] == variant)
                 if len(pts) < 2:
                     continue
-                colour, label = _STYLE.get(variant, (None, variant))
-                if m != "base":
-                    label = f"({'d' if variant == 'unicache' else m}) {label.split(') ')[-1]}"
-                    label += f" [{m}]"
+                colour, ls, label = _line_style(m, variant)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
-                        color=colour, ls=dashes[mi % 4] if m == "base" else "-",
-                        lw=2.2 if m != "base" else 1.4, label=label)  # fmt: skip
+                        color=colour, ls=ls, lw=2.2 if m != "base" else 1.4,
+                        label=label)  # fmt: skip
         ax.set_title(t)
         ax.set_xlabel("target rate (fraction of context tokens removed)")
         ax.set_ylim(-0.02, 1.02)
@@ -473,7 +496,7 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], path: str | Path, title: str =
     handles, labels = axes[-1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
     fig.suptitle(title or "tiny VLM on synthetic scenes: accuracy under KV compression")
-    fig.tight_layout(rect=(0, 0.12, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.16, 1, 0.95))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
