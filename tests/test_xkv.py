@@ -237,6 +237,21 @@ def test_greedy_generation_on_compressed_cache_matches_inloop_argmax() -> None:
         assert torch.equal(logits[0, s - 1 : -1].argmax(-1), gen[b])
 
 
+def test_inputs_embeds_and_positions_reach_the_prefill() -> None:
+    """The decoder prepares the compressor with every input it got (e.g. a vision-language
+    model's embeddings, explicit positions)."""
+    model = tiny()
+    ids = torch.randint(0, V, (2, 32))
+    split = torch.tensor([20, 26])
+    pos = torch.arange(32).expand(2, 32) + torch.tensor([[0], [5]])
+    comp = XKVCompressor(XKVConfig(rank_mode="ratio", ratio=4.0))
+    with torch.no_grad():
+        a = model(ids, positions=pos, split=split, compressor=comp).logits
+        b = model(inputs_embeds=model.embed_tokens(ids), positions=pos, split=split,
+                  compressor=comp).logits  # fmt: skip
+    torch.testing.assert_close(a, b)
+
+
 def test_compressor_outside_the_decoder_refuses_to_serve() -> None:
     comp = XKVCompressor()
     from unicache_train.compress.testing import make_input
