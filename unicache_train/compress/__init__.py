@@ -5,6 +5,9 @@ UniCache (source document 000; DESIGN §6): :class:`UniCacheCompressor` built fr
 (:class:`HeadMerge`, :class:`Importance`, :class:`LayerSchedule`, :class:`ModalityBudget`,
 :class:`AlignmentProtect`, :class:`MergeEvict`, :class:`Quantize`, :class:`DynamicFallback`)
 compose through :class:`ComposedCompressor`.
+
+xKV (source document 004; DESIGN §7): :class:`XKVCompressor` built from an :class:`XKVConfig`,
+cross-layer SVD of contiguous layer groups (optionally after UniCache token compression).
 """
 
 from unicache_train.compress.base import (
@@ -22,7 +25,7 @@ from unicache_train.compress.composer import (
     PerLayerCompressor,
     UniCacheCompressor,
 )
-from unicache_train.compress.config import UniCacheConfig
+from unicache_train.compress.config import UniCacheConfig, XKVConfig
 from unicache_train.compress.fallback import DynamicFallback
 from unicache_train.compress.head_merge import HeadMerge
 from unicache_train.compress.importance import Importance
@@ -31,6 +34,7 @@ from unicache_train.compress.protect import AlignmentProtect
 from unicache_train.compress.quantize import Quantize
 from unicache_train.compress.schedule import LayerSchedule
 from unicache_train.compress.state import CompressionState
+from unicache_train.compress.xkv import XKVCompressor
 
 __all__ = [
     "MODALITY_NAMES",
@@ -53,4 +57,6 @@ __all__ = [
     "QuantizedKV",
     "UniCacheCompressor",
     "UniCacheConfig",
+    "XKVCompressor",
+    "XKVConfig",
 ]
