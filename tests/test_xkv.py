@@ -646,3 +646,14 @@ def test_recipe_runs_from_scratch(tmp_path) -> None:
     ]
     assert not math.isnan(rows[0]["ppl_ft_compressed"]) and math.isnan(rows[2]["ppl_ft_compressed"])
     assert (tmp_path / "finetune_xkv.csv").is_file()
+
+
+def test_export_policy_names_the_xkv_setting() -> None:
+    from unicache_train.checkpoint.export import compression_policy_of
+
+    xkv = {"ratio": 8.0, "rank_mode": "ratio"}
+    cfg = RunConfig(compress=CompressionTrainConfig(enabled=True, method="xkv", xkv=xkv))
+    policy = compression_policy_of(cfg)
+    assert policy["method"] == "xkv" and policy["xkv"]["ratio"] == 8.0
+    plain = RunConfig(compress=CompressionTrainConfig(enabled=True))
+    assert "xkv" not in compression_policy_of(plain)

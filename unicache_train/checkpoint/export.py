@@ -32,7 +32,10 @@ def compression_policy_of(config: RunConfig) -> dict[str, Any] | None:
     if not cc.enabled:
         return None
     unicache = cc.unicache.to_dict() if hasattr(cc.unicache, "to_dict") else cc.unicache
-    return {"method": cc.method, "preset": cc.preset, "unicache": unicache}
+    policy = {"method": cc.method, "preset": cc.preset, "unicache": unicache}
+    if "xkv" in cc.method:  # the cross-layer SVD setting the model was tuned for
+        policy["xkv"] = cc.xkv.to_dict() if hasattr(cc.xkv, "to_dict") else cc.xkv
+    return policy
 
 
 def export_checkpoint(
