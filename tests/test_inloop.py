@@ -346,3 +346,33 @@ def test_tiny_fit_with_compression_logs_metrics(tmp_path: Path) -> None:
     saved = ckpt["hyper_parameters"]["config"]["compress"]
     assert saved["enabled"] and saved["unicache"]["target_rate"] == 0.6
     assert not any(k.startswith("compressor") for k in ckpt["state_dict"])
+
+
+@pytest.mark.parametrize("attention_type", ["gqa", "mla"])
+def test_identity_segment_takes_causal_kernel_with_the_masked_path_result(
+    attention_type: str,
+) -> None:
+    """An identity segment (the context's own K/V) runs the causal kernel; the general masked
+    path over [segment ; sequence] gives the same logits (1e-5: fp32, the two kernels only
+    reorder the same softmax sums)."""
+
+    class NotMarkedIdentity(IdentityCompressor):
+        def __call__(self, inp):
+            seg = super().__call__(inp)
+            seg.identity = False
+            return seg
+
+    torch.manual_seed(0)
+    extra = {}
+    if attention_type == "mla":
+        extra = dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8,
+                     qk_rope_head_dim=8, v_head_dim=8)
+    model = Decoder(tiny_model_config(**extra)).eval()
+    ids = torch.randint(0, 64, (3, 40))
+    split = torch.tensor([10, 25, 39])
+    with torch.no_grad():
+        plain = model(ids).logits
+        fast = model(ids, split=split, compressor=IdentityCompressor()).logits
+        masked = model(ids, split=split, compressor=NotMarkedIdentity()).logits
+    assert torch.equal(fast, plain)
+    torch.testing.assert_close(masked, fast, atol=1e-5, rtol=1e-5)

@@ -204,6 +204,11 @@ class KVSegment:
         lowrank: low-rank factors when a cross-layer compressor (xKV) emitted the segment; the
             ``keys``/``values`` are then their reconstruction, and ``kv_bytes`` counts the
             factors.
+        identity: True only when ``keys``/``values`` are the layer's own K/V of all ``T`` input
+            tokens untouched, ``valid`` is the context mask and every count is 1: attention over
+            the segment then *is* causal attention over the sequence, and the seam takes the
+            causal kernel (set by :class:`IdentityCompressor` and xKV's prefill recorder; any
+            step that changes the entries must leave it False).
     """
 
     keys: torch.Tensor
@@ -217,6 +222,7 @@ class KVSegment:
     assignment: torch.Tensor | None = None
     quant: QuantizedKV | None = None
     lowrank: LowRankKV | None = None
+    identity: bool = False
 
 
 @runtime_checkable
@@ -244,6 +250,7 @@ class IdentityCompressor:
             modality_ids=inp.modality_ids,
             counts=counts,
             valid=inp.context_mask,
+            identity=True,
         )
 
 

@@ -196,6 +196,7 @@ class _Recorder:
             modality_ids=inp.modality_ids,
             counts=torch.ones_like(inp.positions, dtype=inp.keys.dtype),
             valid=inp.context_mask,
+            identity=True,  # the plain prefill: the seam runs causal attention
         )
         self.inputs[inp.layer_idx] = inp
         self.segments[inp.layer_idx] = seg

@@ -174,11 +174,15 @@ class Attention(nn.Module):
         Returns:
             [B, H, T, D].
         """
+        gqa = self.num_kv_heads != q_rot.shape[1]
+        if segment.identity:
+            # The context's own K/V, untouched: [segment ; continuation] is the causal sequence,
+            # and the causal kernel skips the masked blocks the general mask cannot.
+            return F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=True, enable_gqa=gqa)
         mask = segment_attention_mask(segment, split, q_rot.shape[2], q_rot.dtype)
         keys = torch.cat([segment.keys.to(k_rot.dtype), k_rot], dim=2)  # [B, Hk, M + T, D]
         values = torch.cat([segment.values.to(v.dtype), v], dim=2)  # [B, Hk, M + T, D]
-        return F.scaled_dot_product_attention(q_rot, keys, values, attn_mask=mask,
-                                              enable_gqa=self.num_kv_heads != q_rot.shape[1])
+        return F.scaled_dot_product_attention(q_rot, keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
 def segment_attention_mask(

@@ -323,11 +323,14 @@ class MLAttention(nn.Module):
         the (compressed) latent segment and causally to the continuation. One SDPA call over
         ``M + T`` expanded keys. Returns [B, H, T, Dv]."""
         R, dtype = self.kv_lora_rank, q_nope.dtype
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        if segment.identity:  # the untouched context: plain causal attention (see Attention)
+            k, v = self._expand(c_kv, k_pe, c_kv)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
         seg_keys = segment.keys.to(dtype)
         seg_k, seg_v = self._expand(seg_keys[..., :R], seg_keys[..., R:], segment.values.to(dtype))
         k, v = self._expand(c_kv, k_pe, c_kv)
         mask = segment_attention_mask(segment, split, q_nope.shape[2], dtype)  # [B, 1, T, M + T]
-        q = torch.cat([q_nope, q_pe], dim=-1)
         return F.scaled_dot_product_attention(
             q,
             torch.cat([seg_k, k], dim=2),
