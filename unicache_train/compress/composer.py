@@ -128,6 +128,13 @@ class ComposedCompressor:
             state = step(state)
         if state.segment is None:
             seg = identity_segment(state)
+            # Nothing changed the K/V (rate 0, no head merge, no quantization): attention may
+            # take the causal kernel (bit-for-bit the plain forward).
+            seg.identity = (
+                state.head_groups is None
+                and state.keys is state.inp.keys
+                and state.values is state.inp.values
+            )
             state.segment = seg
         state.segment.stats.update(segment_stats(state, self.cache_dtype_bytes))
         return state

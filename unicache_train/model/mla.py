@@ -55,7 +55,12 @@ from torch import nn
 
 from unicache_train.compress.base import CompressionInput, KVCompressor, KVSegment
 from unicache_train.config import ModelConfig
-from unicache_train.model.attention import _gather_rope, segment_attention_mask
+from unicache_train.model.attention import (
+    _gather_rope,
+    attend_segment_per_sample,
+    segment_attention_mask,
+    segment_attention_mode,
+)
 from unicache_train.model.kv_cache import KVCache, LatentKVCache
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import apply_rope
@@ -330,6 +335,9 @@ class MLAttention(nn.Module):
         seg_keys = segment.keys.to(dtype)
         seg_k, seg_v = self._expand(seg_keys[..., :R], seg_keys[..., R:], segment.values.to(dtype))
         k, v = self._expand(c_kv, k_pe, c_kv)
+        if segment_attention_mode(q.device) == "per_sample":
+            return attend_segment_per_sample(q, k, v, seg_k, seg_v, segment, split,
+                                             scale=self.scaling)
         mask = segment_attention_mask(segment, split, q_nope.shape[2], dtype)  # [B, 1, T, M + T]
         return F.scaled_dot_product_attention(
             q,
