@@ -459,8 +459,9 @@ def _line_style(model: str, variant: str) -> tuple[str | None, str, str]:
 
 
 def plot_accuracy(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """One panel per task (plus overall): accuracy against the target rate, one line per
-    (model, variant); uncompressed accuracy of each model as a dashed line."""
+    """One column per task (plus overall), accuracy against the target rate (top row) and
+    against the realized KV bytes ratio (bottom row: settings compared at equal memory), one
+    line per (model, variant); uncompressed accuracy of each model as a horizontal line."""
     import matplotlib
 
     matplotlib.use("Agg")  # NOTE: before pyplot is imported; no display on servers and CI
@@ -468,35 +469,39 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], path: str | Path, title: str =
 
     keys = [f"acc/{t}" for t in TASKS] + ["acc"]
     titles = list(TASKS) + ["all tasks"]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4.0), sharey=True)
+    fig, axes = plt.subplots(2, len(keys), figsize=(4.2 * len(keys), 7.6), sharey=True)
     models = list(dict.fromkeys(r["model"] for r in rows))
     dashes = ["-", "--", ":", "-."]
-    for ax, key, t in zip(axes, keys, titles):
-        for mi, m in enumerate(models):
-            mine = [r for r in rows if r["model"] == m]
-            base = next((r for r in mine if r["variant"] == "uncompressed"), None)
-            if base is not None:
-                ax.axhline(base[key], color="black", ls=dashes[mi % 4], lw=0.8, alpha=0.6,
-                           label=f"{m}: uncompressed")  # fmt: skip
-            for variant in dict.fromkeys(r["variant"] for r in mine):
-                if variant == "uncompressed":
-                    continue
-                pts = sorted((r["rate"], r[key]) for r in mine if r["variant"] == variant)
-                if len(pts) < 2:
-                    continue
-                colour, ls, label = _line_style(m, variant)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
-                        color=colour, ls=ls, lw=2.2 if m != "base" else 1.4,
-                        label=label)  # fmt: skip
-        ax.set_title(t)
-        ax.set_xlabel("target rate (fraction of context tokens removed)")
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("exact-match accuracy (greedy, compressed cache)")
-    handles, labels = axes[-1].get_legend_handles_labels()
+    for row, xkey, xlabel in (
+        (0, "rate", "target rate (fraction of context tokens removed)"),
+        (1, "kv_bytes_ratio", "KV bytes / 16-bit uncompressed cache"),
+    ):
+        for ax, key, t in zip(axes[row], keys, titles):
+            for mi, m in enumerate(models):
+                mine = [r for r in rows if r["model"] == m]
+                base = next((r for r in mine if r["variant"] == "uncompressed"), None)
+                if base is not None:
+                    ax.axhline(base[key], color="black", ls=dashes[mi % 4], lw=0.8, alpha=0.6,
+                               label=f"{m}: uncompressed")  # fmt: skip
+                for variant in dict.fromkeys(r["variant"] for r in mine):
+                    if variant == "uncompressed":
+                        continue
+                    pts = sorted((r[xkey], r[key]) for r in mine if r["variant"] == variant)
+                    if len(pts) < 2:
+                        continue
+                    colour, ls, label = _line_style(m, variant)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                            color=colour, ls=ls, lw=2.2 if m != "base" else 1.4,
+                            label=label)  # fmt: skip
+            ax.set_title(t)
+            ax.set_xlabel(xlabel)
+            ax.set_ylim(-0.02, 1.02)
+            ax.grid(alpha=0.3)
+        axes[row, 0].set_ylabel("exact-match accuracy")
+    handles, labels = axes[0, -1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
     fig.suptitle(title or "tiny VLM on synthetic scenes: accuracy under KV compression")
-    fig.tight_layout(rect=(0, 0.16, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.09, 1, 0.97))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
