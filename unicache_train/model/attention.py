@@ -169,7 +169,7 @@ class Attention(nn.Module):
         split: torch.Tensor,
     ) -> torch.Tensor:
         """Context queries attend causally to the full context; continuation queries attend to
-        the segment and causally to the continuation (kernel choice: :func:`segment_attention_mode`).
+        the segment and causally to the continuation (kernel: :func:`segment_attention_mode`).
 
         Returns:
             [B, H, T, D].
@@ -236,27 +236,32 @@ def attend_segment_per_sample(
     Returns:
         [B, H, T, Dv].
     """
-    B, _, T, _ = q.shape
+    T = q.shape[2]
+    # NOTE: unbind/split (not slicing): their backward is one stack/cat, where every slice's
+    # backward would zero-fill a full-size gradient and add into it.
+    qs, ks, vs, sks, svs = (x.unbind(0) for x in (q, k, v, seg_k, seg_v))
     outs = []
     for b, s in enumerate(split.tolist()):
         s = min(max(int(s), 0), T)
+        # [1, H, ., D] pieces: SDPA's fused CPU kernels (GQA included) want a batch dim.
+        (qc, qn), (kc, kn), (vc, vn) = (
+            x[None].split([s, T - s], dim=2) for x in (qs[b], ks[b], vs[b])
+        )
         parts = []
-        if s > 0:
-            parts.append(F.scaled_dot_product_attention(
-                q[b : b + 1, :, :s], k[b : b + 1, :, :s], v[b : b + 1, :, :s], is_causal=True,
-                scale=scale, enable_gqa=enable_gqa))
-        if s < T:
+        if s > 0:  # context rows: plain causal attention over the context
+            parts.append(F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale,
+                                                        enable_gqa=enable_gqa))
+        if s < T:  # continuation rows: [valid segment (log-count bias) ; causal continuation]
             keep = segment.valid[b]  # [M]
-            sk, sv = seg_k[b : b + 1, :, keep], seg_v[b : b + 1, :, keep]  # [1, Hk, M_b, D]
+            sk, sv = sks[b][None, :, keep], svs[b][None, :, keep]  # [1, Hk, M_b, D]
             C, M_b = T - s, sk.shape[2]
             bias = torch.log(segment.counts[b, keep].clamp_min(1.0)).to(q.dtype)  # [M_b]
             t = torch.arange(C, device=q.device)
             causal = torch.where(t[None, :] <= t[:, None], 0.0, torch.finfo(q.dtype).min)
             mask = torch.cat([bias.expand(C, M_b), causal.to(q.dtype)], dim=-1)  # [C, M_b + C]
             parts.append(F.scaled_dot_product_attention(
-                q[b : b + 1, :, s:], torch.cat([sk, k[b : b + 1, :, s:]], dim=2),
-                torch.cat([sv, v[b : b + 1, :, s:]], dim=2), attn_mask=mask, scale=scale,
-                enable_gqa=enable_gqa))
+                qn, torch.cat([sk, kn], dim=2), torch.cat([sv, vn], dim=2), attn_mask=mask,
+                scale=scale, enable_gqa=enable_gqa))
         outs.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
     return torch.cat(outs, dim=0)
 
