@@ -163,26 +163,31 @@ def finetune_config(options: RecipeOptions, base: Any) -> Any:
     return VLMRunConfig.from_dict(deep_merge(d, over))
 
 
-def pretrain_tower(options: RecipeOptions, base: Any) -> Path:
-    """Stage 0: the pretrained tower's weights file (trained once, then reused)."""
+def pretrain_tower(options: RecipeOptions, base: Any, wait_s: float = 1800.0) -> Path:
+    """Stage 0: the pretrained tower's weights file (trained once by rank 0, then reused; other
+    ranks of a ``fabric run`` wait for it)."""
     from unicache_train.model.vision import VisionEncoder
     from unicache_train.train.vision_pretrain import VisionPretrainConfig, pretrain_vision_tower
 
     path = Path(base.train.out_dir) / "vision_tower.safetensors"
+    if int(os.environ.get("RANK", "0")) != 0:
+        deadline = time.monotonic() + wait_s
+        while not path.is_file():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 did not write {path} within {wait_s:.0f} s")
+            time.sleep(2.0)
+        return path
     if path.is_file():
         return path
-    if int(os.environ.get("RANK", "0")) != 0:
-        raise RuntimeError(
-            f"{path} is missing: run the recipe once on one process (stage 0 pretrains the "
-            "vision tower), or set vision.init_weights"
-        )
     import torch
 
     torch.manual_seed(base.train.seed)
     tower = VisionEncoder(base.vision)
+    tmp = path.with_name(path.stem + ".tmp.safetensors")
     stats = pretrain_vision_tower(
-        tower, base.data.scenes, VisionPretrainConfig(steps=options.vision_steps), save_to=path
+        tower, base.data.scenes, VisionPretrainConfig(steps=options.vision_steps), save_to=tmp
     )
+    os.replace(tmp, path)  # NOTE: other ranks poll for `path`: it appears complete or not at all
     print(f"vision tower pretrained: {stats}; saved {path}")
     return path
 
@@ -420,24 +425,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print(__doc__)
         return None
     options, base_cfg = parse_args(args)
+    # NOTE: under `fabric run` every rank runs the training stages (DDP needs them all); only
+    # rank 0 evaluates and writes, the others wait at the next fit.
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     if options.base_checkpoint is None and base_cfg.vision.init_weights is None:
         base_cfg.vision.init_weights = str(pretrain_tower(options, base_cfg))
         times["vision_pretrain"] = time.perf_counter() - t0
     if options.base_checkpoint is None:
-        trainer = fit_vlm(base_cfg)
-        if not trainer.is_global_zero:
-            return None
+        fit_vlm(base_cfg)
         base_ckpt = Path(base_cfg.train.out_dir) / "checkpoints" / "last.ckpt"
     else:
         base_ckpt = Path(options.base_checkpoint)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return None
     times["base_train"] = time.perf_counter() - t0
     base_model, base_cfg = load_vlm_checkpoint(base_ckpt)
-    results = Path(options.results_dir or Path(base_cfg.train.out_dir).parent / "results")
-    results.mkdir(parents=True, exist_ok=True)
     ft_cfg = finetune_config(options, base_cfg)
     tok = load_multimodal_tokenizer(base_cfg.data.tokenizer)
     scenes = base_cfg.data.scenes
@@ -449,55 +451,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         batch_size=options.eval_batch_size,
     )
 
-    t = time.perf_counter()
-    rows = evaluate_vlm(
-        base_model,
-        tok,
-        scenes,
-        uc,
-        VLMEvalConfig(variants=options.variants, **ev),
-        model_label="base",
-    )
-    times["eval_base"] = time.perf_counter() - t
-    print(format_vlm_table(rows))
+    def evaluate(model, label: str, variants: list[str]) -> list[dict]:
+        t = time.perf_counter()
+        out = evaluate_vlm(
+            model, tok, scenes, uc, VLMEvalConfig(variants=variants, **ev), model_label=label
+        )
+        times[f"eval_{label}"] = time.perf_counter() - t
+        print(format_vlm_table(out))
+        return out
 
+    rows = evaluate(base_model, "base", options.variants) if rank0 else []
     tuned_model = None
     if not options.skip_finetune:
         t = time.perf_counter()
-        trainer = fit_vlm(ft_cfg, callbacks=[InitFromCheckpoint(base_ckpt)])
+        fit_vlm(ft_cfg, callbacks=[InitFromCheckpoint(base_ckpt)])
         times["finetune"] = time.perf_counter() - t
-        if not trainer.is_global_zero:
-            return None
         tuned_model, _ = load_vlm_checkpoint(
             Path(ft_cfg.train.out_dir) / "checkpoints" / "last.ckpt"
         )
-        t = time.perf_counter()
-        tuned = evaluate_vlm(
-            tuned_model,
-            tok,
-            scenes,
-            uc,
-            VLMEvalConfig(variants=options.finetuned_variants, **ev),
-            model_label="finetuned",
-        )
-        times["eval_finetuned"] = time.perf_counter() - t
-        print(format_vlm_table(tuned))
-        rows += tuned
-    if not options.skip_finetune and options.control_finetune:
-        t = time.perf_counter()
-        ctl_cfg = control_config(ft_cfg)
-        fit_vlm(ctl_cfg, callbacks=[InitFromCheckpoint(base_ckpt)])
-        ctl_model, _ = load_vlm_checkpoint(
-            Path(ctl_cfg.train.out_dir) / "checkpoints" / "last.ckpt"
-        )
-        ctl = evaluate_vlm(
-            ctl_model, tok, scenes, uc,
-            VLMEvalConfig(variants=options.finetuned_variants, **ev),
-            model_label="finetuned_control",
-        )  # fmt: skip
-        times["control"] = time.perf_counter() - t
-        print(format_vlm_table(ctl))
-        rows += ctl
+        if rank0:
+            rows += evaluate(tuned_model, "finetuned", options.finetuned_variants)
+        if options.control_finetune:
+            t = time.perf_counter()
+            ctl_cfg = control_config(ft_cfg)
+            fit_vlm(ctl_cfg, callbacks=[InitFromCheckpoint(base_ckpt)])
+            times["control"] = time.perf_counter() - t
+            if rank0:
+                ctl_model, _ = load_vlm_checkpoint(
+                    Path(ctl_cfg.train.out_dir) / "checkpoints" / "last.ckpt"
+                )
+                rows += evaluate(ctl_model, "finetuned_control", options.finetuned_variants)
+    if not rank0:
+        return None
+    results = Path(options.results_dir or Path(base_cfg.train.out_dir).parent / "results")
+    results.mkdir(parents=True, exist_ok=True)
 
     grid: list[dict] = []
     if options.rate_grid:
