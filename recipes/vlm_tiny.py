@@ -103,7 +103,7 @@ class RecipeOptions:
     eval_batch_size: int = 50
     rate_grid: bool = True
     grid_vision: list[float] = field(default_factory=lambda: [0.5, 0.65, 0.7, 0.75, 0.8])
-    grid_text: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.25, 0.3, 0.4])
+    grid_text: list[float] = field(default_factory=lambda: [0.0, 0.1, 0.2, 0.25, 0.3, 0.4])
     results_dir: str | None = None
     vision_steps: int = 300
     control_finetune: bool = True
@@ -393,7 +393,7 @@ def plot_grid(grid: list[dict], path: Path) -> None:
     fig.suptitle(
         "accuracy loss vs uncompressed at fixed visual x text rates (box: source's stable region)"
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
