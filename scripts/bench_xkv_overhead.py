@@ -36,7 +36,6 @@ import argparse
 import csv
 import datetime as dt
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -45,12 +44,13 @@ from pathlib import Path
 
 import torch
 
+# NOTE: the same batches, optimizer and machine line as the UniCache overhead benchmark.
+from bench_compress_overhead import _data, _optimizer, machine_description  # noqa: E402
+
 from unicache_train.config import (
     CompressionTrainConfig,
-    DataConfig,
     ModelConfig,
     RunConfig,
-    SyntheticDataConfig,
 )
 from unicache_train.train.compression import compression_kl
 from unicache_train.train.module import LMModule, causal_lm_loss
@@ -92,10 +92,6 @@ class Case:
     cpu_times: list[float] = field(default_factory=list)
     svd_times: list[float] = field(default_factory=list)
     kv_bytes_ratio: float = float("nan")
-
-
-def _optimizer(module: LMModule) -> torch.optim.Optimizer:
-    return module.configure_optimizers()["optimizer"]
 
 
 def _plain(name: str, kl: bool) -> Callable:
@@ -184,26 +180,6 @@ def _config(args, method: str, enabled: bool = True, kl_weight: float = 0.0, **x
             kl_weight=kl_weight,
         ),
     )
-
-
-def _data(args) -> DataConfig:
-    return DataConfig(
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        pack=False,
-        synthetic=SyntheticDataConfig(num_stories=200, num_recall=200),
-    )
-
-
-def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    threads = torch.get_num_threads()
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads"
 
 
 def run(args) -> list[Case]:
