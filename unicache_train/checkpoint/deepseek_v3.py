@@ -17,7 +17,10 @@ layout; import handles both (``rope_interleave`` read from the config).
 What cannot be represented raises :class:`DeepseekV3ExportError` naming the field: GQA attention
 (per-head RoPE keys; convert first with :func:`unicache_train.model.convert_mla.convert_to_mla`),
 hyper-connection streams, attention biases (inference stacks drop them), MoE layers and rope
-scaling (YaRN) on import.
+scaling (YaRN) on import. Import checks the files as :func:`unicache_train.checkpoint.hf.import_hf`
+does, with the same messages: unreadable (truncated, corrupted) safetensors files name the file;
+missing, unexpected, mis-shaped, non-float and non-finite tensors are named, with the expected
+and actual shapes. Nothing is loaded partially.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from unicache_train.checkpoint.hf import HFCheckpointError, check_weight, load_safetensors_dir
 from unicache_train.config import ConfigError, ModelConfig
 from unicache_train.model import Decoder
 
@@ -43,8 +47,10 @@ __all__ = [
 ]
 
 
-class DeepseekV3ExportError(ValueError):
-    """The model or checkpoint has a feature the DeepseekV3 format (or our decoder) lacks."""
+class DeepseekV3ExportError(HFCheckpointError):
+    """The model or checkpoint has a feature the DeepseekV3 format (or our decoder) lacks, or the
+    checkpoint is unreadable (an :class:`HFCheckpointError`, so one ``except`` covers both
+    importers)."""
 
 
 # ------------------------------------------------------------------------------------ config
@@ -227,21 +233,44 @@ def to_deepseek_v3_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
 def from_deepseek_v3_state_dict(
     hf_sd: dict[str, torch.Tensor], config: ModelConfig, rope_interleave: bool
 ) -> dict[str, torch.Tensor]:
-    """HF DeepseekV3 tensors -> our state dict (MTP layers beyond ``num_hidden_layers`` dropped)."""
+    """HF DeepseekV3 tensors -> our state dict (MTP layers beyond ``num_hidden_layers`` dropped),
+    checked tensor by tensor against ``config`` before any reshape.
+
+    Raises:
+        DeepseekV3ExportError: a tensor is missing, unexpected, mis-shaped, not floating point or
+            holds NaN/Inf (the message names it, with the expected and actual shapes).
+    """
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in Decoder(config).state_dict().items()}
     sd: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
     for name, w in hf_sd.items():
         if name.startswith("model.layers."):
             if int(name.split(".")[2]) >= config.num_hidden_layers:
                 continue  # multi-token-prediction modules: not part of the decoder
-        if name.startswith("model."):
-            name = name.removeprefix("model.")
-        elif name != "lm_head.weight":
-            raise DeepseekV3ExportError(f"unexpected tensor {name!r} in the checkpoint")
-        sd[name] = w
+        ours = name if name == "lm_head.weight" else name.removeprefix("model.")
+        if ours not in expected or (name != "lm_head.weight" and not name.startswith("model.")):
+            unexpected.append(name)
+            continue
+        check_weight(name, w, DeepseekV3ExportError)
+        if w.shape != expected[ours]:
+            # NOTE: before the RoPE permutation, whose per-head view would fail on a wrong shape.
+            raise DeepseekV3ExportError(
+                f"tensor {name!r} has shape {list(w.shape)}; config.json implies "
+                f"{list(expected[ours])}"
+            )
+        sd[ours] = w
+    if config.tie_word_embeddings and "embed_tokens.weight" in sd:
+        sd.setdefault("lm_head.weight", sd["embed_tokens.weight"])
+    missing = sorted(("model." + k if k != "lm_head.weight" else k)
+                     for k in set(expected) - set(sd))  # fmt: skip
+    if unexpected or missing:
+        raise DeepseekV3ExportError(
+            f"tensors do not match config.json (family 'deepseek_v3'): missing {missing}, "
+            f"unexpected {sorted(unexpected)}"
+        )
     if rope_interleave:
         sd = _permute_rope_rows(sd, config, _rope_perm(config.qk_rope_head_dim))
-    if config.tie_word_embeddings:
-        sd.setdefault("lm_head.weight", sd["embed_tokens.weight"])
     return sd
 
 
@@ -280,34 +309,29 @@ def export_deepseek_v3(
     return out
 
 
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    single = path / "model.safetensors"
-    if single.is_file():
-        return load_file(str(single))
-    index = path / "model.safetensors.index.json"
-    if not index.is_file():
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        tensors.update(load_file(str(path / shard)))
-    return tensors
-
-
 def import_deepseek_v3(path: str | Path) -> Decoder:
     """Build our MLA :class:`Decoder` from a dense DeepseekV3 checkpoint directory
-    (``config.json`` + safetensors, single file or sharded)."""
+    (``config.json`` + safetensors, single file or sharded).
+
+    Raises:
+        DeepseekV3ExportError: an unsupported option, an unreadable safetensors file (named), or
+            a missing / unexpected / mis-shaped / non-float / non-finite tensor (named).
+        FileNotFoundError: no config.json or no weights.
+    """
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found")
-    config, interleave = from_deepseek_v3_config(json.loads(config_file.read_text()))
-    sd = from_deepseek_v3_state_dict(_load_tensors(path), config, interleave)
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise DeepseekV3ExportError(f"{config_file}: invalid JSON ({err})") from err
+    config, interleave = from_deepseek_v3_config(hf)
+    try:
+        tensors = load_safetensors_dir(path)
+    except HFCheckpointError as err:  # same message, this importer's class
+        raise DeepseekV3ExportError(str(err)) from err
+    sd = from_deepseek_v3_state_dict(tensors, config, interleave)
     model = Decoder(config)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise DeepseekV3ExportError(
-            f"{path}: tensors do not match the config (missing {sorted(missing)}, "
-            f"unexpected {sorted(unexpected)})"
-        )
+    model.load_state_dict(sd, strict=True)
     return model.eval()

@@ -22,9 +22,10 @@ has none): exact, not approximate.
 
 Anything we cannot represent raises :class:`HFCheckpointError` naming the field or tensor:
 unknown ``model_type``/architecture, RoPE scaling, partial rotary, a sliding window in use,
-non-SiLU activations, missing / unexpected / mis-shaped tensors, and unreadable (truncated or
-corrupted) safetensors files. Nothing is loaded partially: every tensor is read and checked
-before the model is built.
+non-SiLU activations, missing / unexpected / mis-shaped tensors, tensors that are not floating
+point (integer or quantised weights would be silently cast), tensors holding NaN or Inf, and
+unreadable (truncated or corrupted) safetensors files. Nothing is loaded partially: every tensor
+is read and checked before the model is built.
 
 mHC models (``residual_mode="mhc"``, preset ``deepseek_v4``) export to our own HF format:
 ``model_type = "unicache_mhc"`` with ``configuration_unicache_mhc.py`` and
@@ -64,6 +65,8 @@ __all__ = [
     "from_hf_state_dict",
     "to_hf_state_dict",
     "load_safetensors_dir",
+    "WEIGHT_DTYPES",
+    "check_weight",
     "import_hf",
     "export_hf",
     "merge_kv_heads",
@@ -82,6 +85,11 @@ COMPRESSION_SCHEMA_VERSION = 1
 _REMOTE_CODE = Path(__file__).parent / "remote_code"
 # Buffers some older checkpoints carry; recomputed by us, never weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Dtypes a weight may be stored in. Integer and fp8 tensors are quantised weights (they need
+# scales we do not read); casting them to float would give a model that silently computes garbage.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Elements scanned at a time for NaN/Inf: bounds the temporary boolean mask on large embeddings.
+_FINITE_CHUNK = 1 << 24
 
 
 class HFCheckpointError(ValueError):
@@ -302,6 +310,38 @@ def to_hf_config(
 
 
 # ------------------------------------------------------------------------------- state dict
+def check_weight(
+    name: str, w: torch.Tensor, error: type[ValueError] = HFCheckpointError
+) -> None:
+    """Refuse a checkpoint tensor that our float decoder would misread.
+
+    Args:
+        name: the tensor's name in the checkpoint (quoted in the message).
+        w: the tensor, any shape.
+        error: the exception class to raise (importers of other formats pass their own).
+
+    Raises:
+        error: ``w`` is not one of :data:`WEIGHT_DTYPES`, or holds NaN / Inf (a NaN weight makes
+            every logit NaN; the message counts the bad values).
+    """
+    if w.dtype not in WEIGHT_DTYPES:
+        allowed = [str(d).removeprefix("torch.") for d in WEIGHT_DTYPES]
+        raise error(
+            f"tensor {name!r} has dtype {str(w.dtype).removeprefix('torch.')}; allowed dtypes: "
+            f"{allowed} (integer or quantised weights cannot be imported)"
+        )
+    nan = inf = 0
+    for chunk in w.detach().reshape(-1).split(_FINITE_CHUNK):
+        if not bool(torch.isfinite(chunk).all()):
+            nan += int(torch.isnan(chunk).sum())
+            inf += int(torch.isinf(chunk).sum())
+    if nan or inf:
+        raise error(
+            f"tensor {name!r} has {nan} NaN and {inf} Inf values of {w.numel()}; weights must be "
+            "finite (the checkpoint is corrupted or was saved after a diverged step)"
+        )
+
+
 def _expected_shapes(config: ModelConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
         model = Decoder(config)
@@ -314,8 +354,8 @@ def from_hf_state_dict(
     """HF tensors -> our state dict, checked tensor by tensor against ``config``.
 
     Raises:
-        HFCheckpointError: a tensor is missing, unexpected, or has the wrong shape (the message
-            names it), or a bias we do not model is non-zero.
+        HFCheckpointError: a tensor is missing, unexpected, has the wrong shape, is not floating
+            point or holds NaN/Inf (the message names it), or a bias we do not model is non-zero.
     """
     expected = _expected_shapes(config)
     sd: dict[str, torch.Tensor] = {}
@@ -323,6 +363,7 @@ def from_hf_state_dict(
     for name, w in hf_sd.items():
         if name.endswith(_IGNORED_SUFFIXES):
             continue
+        check_weight(name, w)
         ours = name if name == "lm_head.weight" else name.removeprefix("model.")
         if ours.endswith("self_attn.o_proj.bias"):
             if bool(w.any()):
@@ -464,7 +505,7 @@ def import_hf(
 
     Raises:
         HFCheckpointError: unsupported family/option, missing/unexpected/mis-shaped tensors,
-            unreadable safetensors.
+            non-float or non-finite tensors, unreadable safetensors.
         FileNotFoundError: no config.json or no weights.
     """
     path = Path(path)
@@ -565,11 +606,33 @@ def merge_kv_heads(model: Decoder, groups: list[list[list[int]]]) -> Decoder:
     ``groups[l]`` partitions layer ``l``'s KV heads into ``G`` groups (the same ``G`` for every
     layer); the K and V projection rows (and biases) of a group are averaged into one KV head.
     Query heads are re-ordered so that each merged KV head serves the queries of its members
-    (the ``o_proj`` columns follow), which keeps the function exact for the query side: the
-    result is what our model computes when each group's K/V are replaced by their average.
+    (the ``o_proj`` columns follow). Without ``qk_norm`` this is exact: K and V are linear in the
+    input and RoPE is linear per position, so averaging the rows gives, at every token, the
+    average of the group's keys and values; the result is what our model computes when each
+    group's K/V are replaced by their average.
+
+    With ``qk_norm`` (Qwen3) the keys attention sees are ``k_norm(k_proj(x))``, and RMSNorm is
+    not linear: the average of RMS-normalised head keys generally has an RMS below one, so no
+    K projection followed by ``k_norm`` produces it, and averaging the rows instead (what this
+    function would do) gives ``k_norm(mean_h k_h)``, which is not ``mean_h k_norm(k_h)``.
+    Exactness is therefore impossible in general, and such merges are refused; the one exact
+    case, a group whose K projection rows (and biases) are identical, is accepted (its merged
+    head is any member, unchanged). V is never normalised, so V rows may differ.
 
     Every group must hold the same number of KV heads (GQA needs equal query counts per KV
     head). Export the result with :func:`export_hf` like any GQA model.
+
+    Args:
+        model: a GQA :class:`Decoder` with ``H_kv`` KV heads of size ``D``.
+        groups: ``[L][G][H_kv / G]`` KV head indices, a partition of ``range(H_kv)`` per layer.
+
+    Returns:
+        A new :class:`Decoder` with ``num_key_value_heads = G`` (train/eval mode as ``model``).
+
+    Raises:
+        HFCheckpointError: not GQA, groups that are not equal-sized partitions, or (under
+            ``qk_norm``) a group whose K projections differ; the message names the layer, the
+            group and the largest difference.
     """
     config: ModelConfig = model.config
     if config.attention_type != "gqa":
@@ -594,6 +657,8 @@ def merge_kv_heads(model: Decoder, groups: list[list[list[int]]]) -> Decoder:
             raise HFCheckpointError(
                 f"merge_kv_heads: layer {li} groups {layer_groups} have unequal sizes"
             )
+    if config.qk_norm:
+        _check_mergeable_under_qk_norm(model, groups)
     new_config = dataclasses.replace(config, num_key_value_heads=G)
     new = Decoder(new_config).to(model.embed_tokens.weight.dtype)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -610,8 +675,35 @@ def merge_kv_heads(model: Decoder, groups: list[list[list[int]]]) -> Decoder:
             if p + name not in sd:
                 continue
             w = sd[p + name].view(Hk, D, *sd[p + name].shape[1:])  # [Hk, D, (C)]
-            sd[p + name] = torch.stack([w[g].mean(0) for g in layer_groups]).flatten(0, 1)
+            if config.qk_norm and name.startswith("k_proj"):
+                # Identical rows (checked above): take one, as a mean of 3 may round.
+                merged = [w[g[0]] for g in layer_groups]
+            else:
+                merged = [w[g].mean(0) for g in layer_groups]
+            sd[p + name] = torch.stack(merged).flatten(0, 1)  # [G * D, (C)]
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     new.load_state_dict(sd, strict=not config.tie_word_embeddings)
     return new.train(model.training)
+
+
+def _check_mergeable_under_qk_norm(model: Decoder, groups: list[list[list[int]]]) -> None:
+    """Under ``qk_norm`` a merge is exact only when each group's K projections are identical
+    (see :func:`merge_kv_heads`); raise naming the first group where they are not."""
+    Hk, D = model.config.num_key_value_heads, model.config.head_size
+    for li, layer_groups in enumerate(groups):
+        attn = model.layers[li].self_attn
+        parts = [attn.k_proj.weight.detach().view(Hk, D, -1)]  # [Hk, D, C]
+        if attn.k_proj.bias is not None:
+            parts.append(attn.k_proj.bias.detach().view(Hk, D, 1))  # [Hk, D, 1]
+        rows = torch.cat(parts, dim=-1)  # [Hk, D, C (+1)]
+        for g in layer_groups:
+            gap = float((rows[g] - rows[g[0]]).abs().max())
+            if gap > 0:
+                raise HFCheckpointError(
+                    f"merge_kv_heads: layer {li} group {g} has K projections that differ (max "
+                    f"|difference| {gap:.3g}) under qk_norm=True: keys are RMS-normalised per "
+                    "head, and the average of normalised keys is not the normalised key of any "
+                    "merged projection, so the merge cannot be exact; merge only heads with "
+                    "identical K projections, or a model without qk_norm"
+                )
