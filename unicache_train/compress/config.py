@@ -35,10 +35,14 @@ __all__ = [
     "UniCacheConfig",
     "XKVConfig",
     "MAX_RATE",
+    "MERGE_RESCALE_RULES",
 ]
 
 #: No layer or modality ever removes more than this fraction (a cache must keep something).
 MAX_RATE = 0.95
+
+#: Which averages of a merged entry are rescaled to their members' mean norm (MergeEvictConfig).
+MERGE_RESCALE_RULES = ("k", "kv", "none")
 
 
 def _bool(obj: Any, name: str) -> None:
@@ -237,16 +241,23 @@ class MergeEvictConfig:
             neighbour (source: 0.8).
         evict_threshold: lower edge of the evict band ``(evict_threshold, merge_threshold]``
             (source: 0.5).
+        merge_rescale: which importance-weighted averages of a merged entry are rescaled to
+            their members' mean norm: ``"k"`` (keys only, the default), ``"kv"`` (keys and
+            values, the source's §6.2) or ``"none"``. With the ``log(count)`` bias the plain
+            average of V is exact for agreeing keys; rescaling V inflates the output. Chosen
+            by measurement (``scripts/merge_rule_study.py``).
     """
 
     enabled: bool = True
     merge_threshold: float = 0.8
     evict_threshold: float = 0.5
+    merge_rescale: str = "k"
 
     def __post_init__(self) -> None:
         _bool(self, "enabled")
         _range(self, "merge_threshold", 0.5, 1.0)
         _range(self, "evict_threshold", 0.0, self.merge_threshold)
+        _choice(self, "merge_rescale", MERGE_RESCALE_RULES)
 
 
 @dataclass

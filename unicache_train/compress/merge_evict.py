@@ -28,9 +28,20 @@ removable tokens the budget falls short (``TokenPlan.shortfall``, logged, never 
 
 Merging (K and V together, same weights): the entry of a kept token j that absorbs a set S of
 tokens is ``x = sum_i w_i x_i / sum_i w_i`` over ``{j} + S`` with ``w_i = exp(s_i)`` (a softmax of
-the importance scores inside the group), rescaled to the weighted mean norm of its members
-(averaging shrinks vectors and would shift attention logits, §6.2), per head, for K and for
-V. The entry keeps j's position and modality and carries ``count = |S| + 1``, which attention
+the importance scores inside the group), per head, for K and for V. ``merge_rescale`` then says
+which of the two averages is rescaled to the weighted mean norm of its members:
+
+* ``"k"`` (default): keys only. Averaging shrinks vectors and would lower the merged entry's
+  attention logits; values are left as the average, because attention sums them: with the
+  ``log(count)`` bias and agreeing keys, ``count * exp(q.k) * mean(v)`` *is* the sum over the
+  members (exact when the weights are equal), and any rescale of V inflates the output (two
+  orthogonal unit values: by sqrt(2)).
+* ``"kv"``: keys and values (the source's §6.2 "L2 re-normalisation of merged K/V").
+* ``"none"``: plain weighted averages.
+
+The default was chosen by measurement (``scripts/merge_rule_study.py``, README): attention
+output error against the unmerged tokens and perplexity after compression on real caches.
+The entry keeps j's position and modality and carries ``count = |S| + 1``, which attention
 turns into a ``log(count)`` logit bias. Entries that absorb nothing are bit-for-bit the input.
 Selection is discrete (no gradient); the kept and merged values carry gradients.
 
@@ -46,7 +57,7 @@ import torch
 
 from unicache_train.compress.base import NUM_MODALITIES, KVSegment
 from unicache_train.compress.common import NeighbourSims, grouped_rank, modality_counts
-from unicache_train.compress.config import MergeEvictConfig
+from unicache_train.compress.config import MERGE_RESCALE_RULES, MergeEvictConfig
 from unicache_train.compress.state import CompressionState
 
 __all__ = ["MergeEvict", "TokenPlan", "plan_tokens", "merge_tokens", "gather_segment"]
@@ -210,6 +221,7 @@ def merge_tokens(
     plan: TokenPlan,
     scores: torch.Tensor,
     context_mask: torch.Tensor,
+    rescale: str = MergeEvictConfig.merge_rescale,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fold merged tokens into their targets' entries (differentiable in keys and values).
 
@@ -218,11 +230,18 @@ def merge_tokens(
         plan: from :func:`plan_tokens`.
         scores: [B, T] importance (merge weights ``exp(s)``, no gradient).
         context_mask: [B, T] bool.
+        rescale: which averages are rescaled to their members' mean norm: ``"k"``, ``"kv"``
+            or ``"none"`` (module docstring).
 
     Returns:
         (keys, values, counts): [B, H, T, D] with every kept token's entry at its own index
         (other rows unchanged, unused), and counts [B, T] float (tokens per entry).
     """
+    if rescale not in MERGE_RESCALE_RULES:
+        raise ValueError(
+            f"merge_tokens: rescale={rescale!r} is not allowed; choose one of "
+            f"{list(MERGE_RESCALE_RULES)}"
+        )
     B, H, T, _ = keys.shape
     slot = torch.where(plan.target >= 0, plan.target, T)  # [B, T]; T is a dump slot
     s = scores.detach().float()
@@ -233,23 +252,27 @@ def merge_tokens(
     den = torch.zeros(B, T + 1, device=keys.device).scatter_add(1, slot, w)[:, None, :T]
     many = (counts[:, :T] > 1)[:, None, :, None]  # [B, 1, T, 1] entries that absorbed tokens
 
-    def fold(x: torch.Tensor) -> torch.Tensor:
+    den_ = den.clamp_min(1e-30)  # [B, 1, T]
+
+    def fold(x: torch.Tensor, to_norm: bool) -> torch.Tensor:
         D = x.shape[-1]
         idx = slot[:, None, :, None].expand(B, H, T, D)
         xf = x.float()
         wx = xf * w[:, None, :, None]
         num = torch.zeros(B, H, T + 1, D, device=x.device).scatter_add(2, idx, wx)[:, :, :T]
-        norm = xf.norm(dim=-1) * w[:, None, :]  # [B, H, T]
-        tnorm = torch.zeros(B, H, T + 1, device=x.device).scatter_add(2, idx[..., 0], norm)
-        den_ = den.clamp_min(1e-30)
-        mean = num / den_[..., None]
-        scale = (tnorm[:, :, :T] / den_) / mean.norm(dim=-1).clamp_min(1e-12)
-        merged = (mean * scale[..., None]).to(x.dtype)
-        return torch.where(many, merged, x)
+        mean = num / den_[..., None]  # [B, H, T, D] weighted average per entry
+        if to_norm:
+            norm = xf.norm(dim=-1) * w[:, None, :]  # [B, H, T]
+            tnorm = torch.zeros(B, H, T + 1, device=x.device).scatter_add(2, idx[..., 0], norm)
+            scale = (tnorm[:, :, :T] / den_) / mean.norm(dim=-1).clamp_min(1e-12)
+            mean = mean * scale[..., None]
+        return torch.where(many, mean.to(x.dtype), x)
 
     # NOTE: K and V use the same plan and weights (source §6.2: merging K but not V breaks
-    # the pairing of keys and values).
-    return fold(keys), fold(values), counts[:, :T]
+    # the pairing of keys and values); only the norm rescale differs between them.
+    k = fold(keys, rescale in ("k", "kv"))
+    v = fold(values, rescale == "kv")
+    return k, v, counts[:, :T]
 
 
 def gather_segment(
@@ -325,7 +348,9 @@ class MergeEvict(MergeEvictConfig):
             self.merge_threshold,
             self.evict_threshold,
         )
-        k, v, counts = merge_tokens(state.keys, state.values, plan, scores, mask)
+        k, v, counts = merge_tokens(
+            state.keys, state.values, plan, scores, mask, rescale=self.merge_rescale
+        )
         seg = gather_segment(k, v, counts, plan, state.inp.positions, state.modality_ids)
         seg.head_groups = state.head_groups
         state.plan = plan

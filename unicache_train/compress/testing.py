@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from unicache_train.compress.base import NUM_MODALITIES, CompressionInput, KVSegment
+from unicache_train.compress.config import MergeEvictConfig
 from unicache_train.compress.state import CompressionState
 
 __all__ = [
@@ -164,13 +165,22 @@ def check_protected_kept(state: CompressionState) -> None:
     assert not (evicted & state.protected).any()
 
 
-def check_kv_paired(state: CompressionState) -> int:
-    """Every merged entry's K *and* V are the same importance-weighted, norm-rescaled average of
-    the same member tokens (a K-only merge leaves V at the anchor's value and fails).
+def check_kv_paired(state: CompressionState, rescale: str | None = None) -> int:
+    """Every merged entry's K *and* V are the same importance-weighted average of the same
+    member tokens, rescaled to the members' mean norm where the rule says so (a K-only merge
+    leaves V at the anchor's value and fails). Whether a merged entry stands for its members
+    in attention is checked independently of this formula in ``tests/test_merge_rule.py``.
+
+    Args:
+        state: a compressor state with a segment and its ``assignment``.
+        rescale: the ``MergeEvictConfig.merge_rescale`` rule the segment was built with
+            (None: the default rule).
 
     Returns:
         the number of merged entries checked.
     """
+    rule = MergeEvictConfig().merge_rescale if rescale is None else rescale
+    rescaled = {"k": (True, False), "kv": (True, True), "none": (False, False)}[rule]
     seg = state.segment
     assert seg is not None and seg.assignment is not None
     scores = (
@@ -187,11 +197,12 @@ def check_kv_paired(state: CompressionState) -> int:
         for e in torch.nonzero(seg.valid[b] & (seg.counts[b] > 1)).flatten().tolist():
             members = torch.nonzero(seg.assignment[b] == e).flatten()
             w = s[members].exp()
-            for src, out in ((state.keys, seg.keys), (state.values, seg.values)):
+            pairs = ((state.keys, seg.keys), (state.values, seg.values))
+            for (src, out), to_norm in zip(pairs, rescaled):
                 x = src[b][:, members].float()  # [H, n, D]
                 mean = (w[None, :, None] * x).sum(1) / w.sum()
                 norm = (w[None, :] * x.norm(dim=-1)).sum(1) / w.sum()
-                ref = mean / mean.norm(dim=-1, keepdim=True) * norm[:, None]
+                ref = mean / mean.norm(dim=-1, keepdim=True) * norm[:, None] if to_norm else mean
                 torch.testing.assert_close(out[b, :, e].float(), ref, rtol=1e-4, atol=1e-4)
             checked += 1
     return checked
