@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 import yaml
 
 from unicache_train.config import ConfigError, RunConfig
@@ -86,7 +85,9 @@ class InitFromCheckpoint(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        ckpt = torch.load(self.path, map_location="cpu", weights_only=False)  # our own file
+        from unicache_train.checkpoint.safe_load import load_torch_file
+
+        ckpt = load_torch_file(self.path, map_location="cpu")  # plain data only: runs no code
         state = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
         pl_module.load_state_dict(state, strict=True)
 

@@ -57,7 +57,7 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_intact(tmp_pa
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    assert torch.load(last, weights_only=False)["global_step"] == 1  # the complete old one
+    assert torch.load(last, weights_only=True)["global_step"] == 1  # the complete old one
     assert (tmp_path / "checkpoints" / "last.ckpt.tmp").exists()  # the half-written one
     cfg = RunConfig.from_dict({"train": {"out_dir": str(tmp_path), "resume": "auto"}})
     assert resolve_resume(cfg) == str(last)
@@ -118,7 +118,7 @@ def test_world_size_change_on_resume_warns(tmp_path):
             "train.resume=auto"]
     fit(RunConfig.from_dict(apply_overrides({}, [*args, "train.max_steps=2"])))
     last = tmp_path / "checkpoints" / "last.ckpt"
-    ckpt = torch.load(last, weights_only=False)
+    ckpt = torch.load(last, weights_only=True)
     ckpt["world_size"] = 2  # as if 2 ranks had written it
     torch.save(ckpt, last)
     with warnings.catch_warnings(record=True) as caught:
@@ -188,7 +188,7 @@ def test_sigkill_of_a_rank_mid_checkpoint_then_resume_auto(tmp_path):
     assert half.is_dir()  # what the dead rank left: a half-written shard under a temp name
     assert not (ckpts / "step000006.ckpt").exists()
     assert torch.load(ckpts / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt",
-                      weights_only=False)["global_step"] == 4
+                      weights_only=True)["global_step"] == 4
 
     second = _launch(tmp_path / "second.jsonl", args)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
@@ -214,4 +214,4 @@ def test_sigkill_of_a_rank_mid_checkpoint_then_resume_auto(tmp_path):
         model, _ = load_checkpoint(ckpts / name)
         assert model.config.residual_mode == "mhc"
     assert torch.load(ckpts / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt",
-                      weights_only=False)["global_step"] == 8
+                      weights_only=True)["global_step"] == 8

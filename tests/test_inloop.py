@@ -342,7 +342,7 @@ def test_tiny_fit_with_compression_logs_metrics(tmp_path: Path) -> None:
         assert name in cols, name
     ratios = [float(r["compress/kv_bytes_ratio"]) for r in rows if r.get("compress/kv_bytes_ratio")]
     assert min(ratios) < 0.5  # int8 + 60% of the context removed once the curriculum is done
-    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     saved = ckpt["hyper_parameters"]["config"]["compress"]
     assert saved["enabled"] and saved["unicache"]["target_rate"] == 0.6
     assert not any(k.startswith("compressor") for k in ckpt["state_dict"])

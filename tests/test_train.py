@@ -80,7 +80,7 @@ def test_resume_continues_step_count_and_loss(tmp_path):
     assert len(rec2.losses) == 10  # only the remaining steps ran
     # The curve continues: the first resumed losses sit near the last ones, far from the start.
     assert sum(rec2.losses[:3]) / 3 < 0.8 * (sum(rec1.losses[:3]) / 3)
-    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 30
     assert ckpt["hyper_parameters"]["config"]["train"]["max_steps"] == 30
 
@@ -127,12 +127,12 @@ def test_fabric_run_ddp_two_processes_and_resume(tmp_path):
     out = tmp_path / "run"
     proc = _fabric_run(out, 8)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 8 and ckpt["world_size"] == 2
     losses_before = read_csv_losses(out)
     proc = _fabric_run(out, 12)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 12
     losses = read_csv_losses(out)
     assert max(losses) >= 11 and min(losses) == 0

@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from unicache_train.checkpoint.deepseek_v3 import DeepseekV3ExportError
     from unicache_train.checkpoint.hf import HFCheckpointError
+    from unicache_train.checkpoint.safe_load import UnsafeCheckpointError
 
     try:
         argv = _fold_compress_flags(list(sys.argv[1:] if argv is None else argv))
@@ -293,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
             description="unicache_train: mHC hyper-connections and compression-aware "
             "KV-cache fine-tuning. Run `unicache-train SUBCOMMAND --help` for details.",
         )
-    except (ConfigError, FileNotFoundError, HFCheckpointError, DeepseekV3ExportError) as err:
+    except (ConfigError, FileNotFoundError, HFCheckpointError, DeepseekV3ExportError,
+            UnsafeCheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 

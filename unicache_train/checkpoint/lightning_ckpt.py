@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
+from unicache_train.checkpoint.safe_load import load_torch_file
 from unicache_train.config import RunConfig
 from unicache_train.model import Decoder
 
@@ -16,6 +15,10 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> tuple[Decode
     ``path`` is a Lightning ``.ckpt`` file or a ZeRO checkpoint directory (DeepSpeed strategies;
     its shards are consolidated in memory, fp32). The run's resolved config travels in the
     checkpoint (``hyper_parameters["config"]``).
+
+    Files are read as plain data only (``weights_only=True``; see
+    :mod:`unicache_train.checkpoint.safe_load`): a file whose pickle would call code is refused
+    with :class:`~unicache_train.checkpoint.safe_load.UnsafeCheckpointError`, nothing run.
     """
     path = Path(path)
     if path.is_dir():
@@ -30,11 +33,10 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> tuple[Decode
         ckpt = read_zero_client_state(path)
         ckpt["state_dict"] = consolidate_zero_checkpoint(path)
     elif path.is_file():
-        # Lightning checkpoints hold loop state beside tensors; they are our own files.
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+        ckpt = load_torch_file(path, map_location=map_location)
     else:
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    hparams = ckpt.get("hyper_parameters", {})
+    hparams = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
     if "config" not in hparams:
         raise ValueError(f"{path}: not a unicache_train checkpoint (no hyper_parameters.config)")
     config = RunConfig.from_dict(hparams["config"])

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from unicache_train.checkpoint.safe_load import check_zero_files, load_torch_file
+
 __all__ = [
     "TMP_SUFFIX",
     "OLD_SUFFIX",
@@ -104,8 +106,8 @@ def read_zero_client_state(ckpt_dir: str | Path) -> dict[str, Any]:
     files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
     if not files:
         raise ValueError(f"{ckpt_dir}: no model-states file in {tag_dir}")
-    # rank 0's file (ZeRO-3: zero_pp_rank_0_...; ZeRO-1/2: mp_rank_00_...); our own files.
-    state = torch.load(files[0], map_location="cpu", weights_only=False)
+    # rank 0's file (ZeRO-3: zero_pp_rank_0_...; ZeRO-1/2: mp_rank_00_...); plain data only.
+    state = load_torch_file(files[0], map_location="cpu", deepspeed=True)
     return {k: v for k, v in state.items() if k not in _DEEPSPEED_KEYS}
 
 
@@ -137,6 +139,10 @@ def consolidate_zero_checkpoint(
 
     Returns:
         The LightningModule state dict (keys ``model.*``), tensors on CPU.
+
+    Raises:
+        UnsafeCheckpointError: a shard needs more than plain data to load (DeepSpeed unpickles
+            its files with ``weights_only=False``, so every shard is checked first).
     """
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -147,6 +153,7 @@ def consolidate_zero_checkpoint(
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(_DTYPES)}")
         dtype = _DTYPES[dtype]
+    check_zero_files(ckpt_dir)  # NOTE: before DeepSpeed's full unpickler reads them
     fp32 = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
     state: dict[str, torch.Tensor] = {}
     converted: dict[int, torch.Tensor] = {}  # keeps tied tensors tied after the cast

@@ -50,6 +50,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from unicache_train.checkpoint.safe_load import (
+    check_torch_file,
+    check_zero_files,
+    load_torch_file,
+)
 from unicache_train.checkpoint.zero import (
     atomic_write,
     publish,
@@ -156,6 +161,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         atomic_write(Path(path), lambda tmp: torch.save(checkpoint, tmp))
 
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        # Resume (``trainer.fit(ckpt_path=...)``) reads plain data only, whatever the caller
+        # asks: a checkpoint whose pickle would call code is refused, nothing run.
+        if map_location is None:
+            map_location = lambda storage, loc: storage  # noqa: E731 - Lightning's default
+        return load_torch_file(path, map_location=map_location)
+
 
 class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
     """Lightning's DeepSpeed strategy, with ZeRO directories written under ``NAME.tmp`` and
@@ -177,6 +190,12 @@ class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
         path = Path(checkpoint_path)
+        # NOTE: first. DeepSpeed's engine unpickles ZeRO files with weights_only=False; each file
+        # it will read must load as plain data before it does.
+        if path.is_dir():
+            check_zero_files(path)
+        elif path.is_file():
+            check_torch_file(path, deepspeed=True)
         module = self.lightning_module
         fitting = module is None or module.trainer.state.fn == TrainerFn.FITTING
         if fitting and path.is_dir() and not (self.load_full_weights and self.zero_stage_3):
@@ -189,7 +208,7 @@ class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
                     "(unicache_train.checkpoint.zero.consolidate_zero_checkpoint) and start a new "
                     "run from them (the optimizer state and the data position are then lost)"
                 )
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only=True)
 
 
 class CPUDeepSpeedStrategy(AtomicDeepSpeedStrategy):

@@ -224,7 +224,9 @@ class InitFromCheckpoint(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        ckpt = torch.load(self.path, map_location="cpu", weights_only=False)  # our own file
+        from unicache_train.checkpoint.safe_load import load_torch_file
+
+        ckpt = load_torch_file(self.path, map_location="cpu")  # plain data only: runs no code
         state = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
         pl_module.load_state_dict(state, strict=True)
 
@@ -272,11 +274,11 @@ def load_vlm_checkpoint(
 ) -> tuple[VisionLanguageModel, VLMRunConfig]:
     """A :class:`VisionLanguageModel` (eval mode) and its config from a ``.ckpt`` of
     :func:`fit_vlm` (the resolved config travels in ``hyper_parameters["config"]``)."""
+    from unicache_train.checkpoint.safe_load import load_torch_file
+
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)  # our own file
-    hparams = ckpt.get("hyper_parameters", {})
+    ckpt = load_torch_file(path, map_location=map_location)  # plain data only: runs no code
+    hparams = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
     if "config" not in hparams or "vision" not in hparams["config"]:
         raise ValueError(f"{path}: not a vision-language checkpoint (no config.vision)")
     config = VLMRunConfig.from_dict(hparams["config"])
