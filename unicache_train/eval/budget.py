@@ -1,0 +1,70 @@
+"""Compressor settings at a given KV-bytes reduction, calibrated on the real cache.
+
+Reductions are always ``uncompressed 16-bit bytes / stored bytes`` (``4.0`` = 4x fewer KV
+bytes), measured from the compressor's own byte accounting on a calibration batch (packed
+storage, scales and metadata included), never derived from a nominal rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["measured_reduction", "rate_for_reduction"]
+
+
+@torch.no_grad()
+def measured_reduction(model, ids: torch.Tensor, split: torch.Tensor, compressor) -> float:
+    """Uncompressed 16-bit bytes / stored bytes of one in-loop forward of ``compressor``.
+
+    Args:
+        ids: [B, T] calibration tokens; split: [B] context lengths.
+    """
+    out = model(ids, split=split, compressor=compressor)
+    kv = base = 0.0
+    for st in out.compression or []:
+        k, r = float(st["kv_bytes"]), float(st["kv_bytes_ratio"])
+        kv += k
+        base += k / r if r > 0 else 0.0
+    if kv <= 0:
+        raise ValueError(f"{compressor!r} reported no stored bytes")
+    return base / kv
+
+
+@torch.no_grad()
+def rate_for_reduction(
+    model,
+    ids: torch.Tensor,
+    split: torch.Tensor,
+    build: Callable[[float], object],
+    reduction: float,
+    *,
+    max_rate: float = 0.95,
+    iters: int = 10,
+) -> tuple[float, float]:
+    """The smallest removal rate whose measured reduction reaches ``reduction`` (bisection).
+
+    Args:
+        build: rate -> compressor.
+        reduction: target ``uncompressed / stored`` (> 1).
+        max_rate: the largest rate tried.
+
+    Returns:
+        (rate, measured reduction at that rate); at ``max_rate`` when it cannot reach the
+        target (the caller reports the shortfall: the measured reduction is then smaller).
+    """
+    if reduction <= 1.0:
+        raise ValueError(f"reduction={reduction!r} is out of range; allowed (1, inf)")
+    lo, hi = 0.0, max_rate
+    at_hi = measured_reduction(model, ids, split, build(hi))
+    if at_hi < reduction:
+        return hi, at_hi
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        got = measured_reduction(model, ids, split, build(mid))
+        if got < reduction:
+            lo = mid
+        else:
+            hi, at_hi = mid, got
+    return round(hi, 4), at_hi
