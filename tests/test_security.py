@@ -161,6 +161,7 @@ def test_deepspeed_resume_refuses_before_deepspeed_unpickles(tmp_path, marker, e
 
     ckpt = _evil_zero_dir(tmp_path / "last.ckpt", marker, evil)
     strategy = CPUDeepSpeedStrategy(config={"zero_optimization": {"stage": 2}})
+    strategy.parallel_devices = [torch.device("cpu")]  # a 1-process run, as the files say
     with pytest.raises(UnsafeCheckpointError, match="refused to load"):
         strategy.load_checkpoint(ckpt)
     assert not marker.exists()

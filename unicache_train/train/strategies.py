@@ -190,12 +190,6 @@ class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
         path = Path(checkpoint_path)
-        # NOTE: first. DeepSpeed's engine unpickles ZeRO files with weights_only=False; each file
-        # it will read must load as plain data before it does.
-        if path.is_dir():
-            check_zero_files(path)
-        elif path.is_file():
-            check_torch_file(path, deepspeed=True)
         module = self.lightning_module
         fitting = module is None or module.trainer.state.fn == TrainerFn.FITTING
         if fitting and path.is_dir() and not (self.load_full_weights and self.zero_stage_3):
@@ -208,6 +202,12 @@ class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
                     "(unicache_train.checkpoint.zero.consolidate_zero_checkpoint) and start a new "
                     "run from them (the optimizer state and the data position are then lost)"
                 )
+        # NOTE: before super(). DeepSpeed's engine unpickles ZeRO files with weights_only=False;
+        # each file it will read must first load as plain data.
+        if path.is_dir():
+            check_zero_files(path)
+        elif path.is_file():
+            check_torch_file(path, deepspeed=True)
         return super().load_checkpoint(checkpoint_path, weights_only=True)
 
 
