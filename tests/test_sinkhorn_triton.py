@@ -12,8 +12,10 @@ GPU tests (``-m gpu``) use the compiled kernels at real sizes and skip without C
 
 Tolerances: the interpreter evaluates the kernels with numpy in fp32 (fp64 for fp64 input), the
 same formulas as the reference, so forward and gradient agree to fp32 rounding: 1e-6 on values
-and gradients of magnitude ~1 (observed <= 1.5e-7). Compiled on GPU, FMA contraction and
-warp-shuffle reduction orders add rounding: 1e-5 there.
+and gradients of magnitude ~1 (observed <= 2.5e-7). Compiled on GPU, FMA contraction and
+warp-shuffle reduction orders add rounding: 1e-5 there; ``paper`` gradients at 20 iterations:
+1e-4, the conditioning of its final rounding step near convergence (see
+tests/test_sinkhorn.py's docstring; two correct fp32 evaluations differ by up to 2e-5).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from unicache_train.ops import sinkhorn, sinkhorn_reference  # noqa: E402
 VARIANTS = ["deepseek_v4", "paper"]
 ATOL = 1e-6  # interpreter, fp32: see module docstring
 GPU_ATOL = 1e-5  # compiled, fp32: see module docstring
+PAPER_GPU_GRAD_ATOL = 1e-4  # compiled, fp32, paper gradients at 20 iterations: see docstring
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(
     not INTERPRETER, reason="runs under TRITON_INTERPRET=1 in test_interpreter_tests_in_subprocess"
@@ -157,6 +160,21 @@ def test_matches_torch_backend_on_extreme_inputs(tk, variant):
 
 
 @interp
+@pytest.mark.parametrize("scale", [1.0, 100.0, 1e4])
+def test_paper_doubly_stochastic_at_any_logit_scale(tk, scale):
+    # As the torch backend (tests/test_sinkhorn.py): log-domain iterations and the final
+    # rounding keep rows and columns at 1 where exp(x - max) used to underflow to zero columns.
+    x = _logits((6, 4, 4), scale=scale, seed=12)
+    cot = _logits((6, 4, 4), scale=1.0, seed=13)
+    y, g = _grads(lambda z: tk.sinkhorn_triton(z, 5, 1e-6, "paper"), x, cot)
+    assert torch.isfinite(y).all() and (y >= 0).all() and torch.isfinite(g).all()
+    assert (y.sum(-1) - 1).abs().max() <= 1e-5 and (y.sum(-2) - 1).abs().max() <= 1e-5
+    y_t, g_t = _grads(lambda z: sinkhorn(z, 5, 1e-6, "paper", backend="torch"), x, cot)
+    torch.testing.assert_close(y, y_t, atol=ATOL, rtol=0)
+    torch.testing.assert_close(g, g_t, atol=ATOL, rtol=0)
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_input(tk, dtype):
     x = _logits((5, 4, 4), dtype=dtype)
@@ -227,7 +245,8 @@ def test_gpu_vs_reference(variant, n):
     y, g = _grads(lambda z: sinkhorn(z, 20, 1e-6, variant, backend="triton"), x, cot)
     y_ref, g_ref = _grads(lambda z: sinkhorn_reference(z, 20, 1e-6, variant), x, cot)
     torch.testing.assert_close(y, y_ref, atol=GPU_ATOL, rtol=0)
-    torch.testing.assert_close(g, g_ref, atol=GPU_ATOL, rtol=0)
+    grad_atol = PAPER_GPU_GRAD_ATOL if variant == "paper" else GPU_ATOL
+    torch.testing.assert_close(g, g_ref, atol=grad_atol, rtol=0)
 
 
 @pytest.mark.gpu
@@ -244,6 +263,8 @@ def test_gpu_bf16_auto_and_extremes(variant):
     big = _logits((4096, 4, 4), scale=1e4, seed=32).cuda()
     yb, gb = _grads(lambda z: sinkhorn(z, 20, 1e-6, variant), big, cot[:4096].float())
     assert torch.isfinite(yb).all() and torch.isfinite(gb).all()
+    if variant == "paper":  # doubly stochastic for any finite input
+        assert (yb.sum(-1) - 1).abs().max() <= 1e-5 and (yb.sum(-2) - 1).abs().max() <= 1e-5
 
 
 @pytest.mark.gpu

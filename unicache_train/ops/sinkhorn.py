@@ -1,4 +1,4 @@
-"""Sinkhorn-Knopp projection onto (approximately) doubly-stochastic matrices, for mHC.
+"""Sinkhorn-Knopp projection onto doubly-stochastic matrices, for mHC.
 
 mHC (manifold-constrained hyper-connections, DeepSeek, https://arxiv.org/abs/2512.24880) mixes
 ``n`` residual streams with a matrix projected onto the Birkhoff polytope by a fixed number of
@@ -7,22 +7,41 @@ imported by the tests and the benchmark) and the CPU path.
 
 Shape legend: ``M, n = number of matrices (all leading dims flattened), streams``.
 
-Variants (``S = iters``, every denominator carries ``+ eps``)::
+Variants (``S = iters``)::
 
     deepseek_v4:  A = softmax(x, dim=-1) + eps     # as transformers' DeepseekV4HyperConnection
                   A = col_norm(A)
                   repeat S-1 times: A = col_norm(row_norm(A))     -> 2S-1 normalizations
-    paper:        A = exp(x - max(x))              # max over the matrix (scale invariance)
-                  repeat S times:   A = row_norm(col_norm(A))     -> 2S normalizations
+        col_norm(A) = A / (A.sum(-2, keepdim=True) + eps)
+        row_norm(A) = A / (A.sum(-1, keepdim=True) + eps)
 
-    col_norm(A) = A / (A.sum(-2, keepdim=True) + eps)
-    row_norm(A) = A / (A.sum(-1, keepdim=True) + eps)
+    paper:        L = x                            # log domain: L = log A
+                  repeat S times: L = row_lnorm(col_lnorm(L))     -> 2S normalizations
+                  A = round(exp(L))                # exactly doubly stochastic, see below
+        col_lnorm(L) = (L - m) - log(sum_i exp(L - m)),  m = max_i L   (per column)
+        row_lnorm(L) = the same over j                                 (per row)
 
-``paper`` follows the paper's Eq. ``M(t) = T_r(T_c(M(t-1)))`` from ``M(0) = exp(H_res)`` (§4.2):
-column normalization first, row normalization last, so the result is row-stochastic up to
-``eps`` and column-stochastic up to the convergence residual. ``deepseek_v4`` ends on a column
-normalization; transformers consumes ``comb`` transposed (``combᵀ X``), so both presets end on
-the rows of the matrix that multiplies the streams.
+``paper`` follows the paper's Eq. ``M(t) = T_r(T_c(M(t-1)))`` from ``M(0) = exp(H_res)`` (§4.2),
+column normalization first, row normalization last, written in the log domain: ``exp(L)`` is
+the paper's iterate exactly (no ``eps``; ``eps`` is not used by this variant), but nothing
+under- or overflows whatever the logits' spread. A fixed number of iterations does not converge
+for widely spread logits (near-permutation matrices converge slowly; measured with exact
+log-domain iterations in fp64, n = 4, 20 iterations: worst column sum off by 0.2 at logit std 8,
+by 2.0 at std 100 and 1e4). So the last iterate (rows sum to 1, columns to ``c_j``) is rounded
+onto the Birkhoff polytope by Algorithm 2 of Altschuler, Weed & Rigollet, "Near-linear time
+approximation algorithms for optimal transport via Sinkhorn iteration" (NeurIPS 2017,
+https://arxiv.org/abs/1705.09634)::
+
+    round(A):  Y  = A / max(c, 1)               # columns with excess mass scaled down to 1
+               er = max(1 - rowsum(Y), 0)       # [n] row deficits
+               ec = max(1 - colsum(Y), 0)       # [n] column deficits, sum(ec) = sum(er)
+               B  = Y + er ecᵀ / sum(ec)        # (B = Y when sum(ec) = 0)
+
+``B`` is non-negative with row and column sums 1 (to fp32 rounding) for any non-negative ``A``,
+and ``|B - A|_1 <= 2 |c - 1|_1``: where the iterations converged it changes nothing measurable.
+(Algorithm 2 first scales rows with excess mass; the last row normalization leaves none.)
+``deepseek_v4`` ends on a column normalization; transformers consumes ``comb`` transposed
+(``combᵀ X``), so both presets end on the rows of the matrix that multiplies the streams.
 
 Backends:
 
@@ -31,11 +50,11 @@ Backends:
   works in place on a ``[n, n, M]`` layout (matrix index innermost), so every op is a long
   unit-stride vector op. Exact: equal to autograd through :func:`sinkhorn_reference` up to fp32
   rounding (closer to the fp64 gradient than that reference, in the tests). Measured on the
-  benchmark case (64k matrices, n=4, 20 iters, one thread): ~8x faster than eager autograd
-  through the loop and ~4x faster than ``torch.compile`` of the naive formula, without its
-  warm-up (up to ~70 s here on a cold cache) or recompiles on new batch sizes, so there is no
-  compiled backend; see ``scripts/bench_sinkhorn.py`` for the caveat on oversubscribed
-  machines.
+  benchmark case (64k matrices, n=4, 20 iters, one thread), ``deepseek_v4``: ~8x faster than
+  eager autograd through the loop and ~4x faster than ``torch.compile`` of the naive formula,
+  without its warm-up (up to ~70 s here on a cold cache) or recompiles on new batch sizes, so
+  there is no compiled backend; see ``scripts/bench_sinkhorn.py`` for the caveat on
+  oversubscribed machines. ``paper`` pays an ``exp`` per entry and step (log domain).
 * ``"triton"``: forward and backward Triton kernels (``unicache_train.kernels.sinkhorn``), one
   program per block of matrices, everything in registers.
 * ``"auto"``: Triton for CUDA tensors when Triton is importable, else ``"torch"`` (logged once
@@ -48,26 +67,28 @@ Numerics (measured, see ``tests/test_sinkhorn.py``):
   back in the input dtype.
 * The output and the gradient are finite, the output non-negative, for any input free of
   NaN/``+inf``, +-1e4 logits and ``-inf`` entries included (see below for an all ``-inf`` row).
-  Autograd through the reference is not: rows of exact zeros (exp underflow in ``paper`` at
-  +-1e4, an all ``-inf`` column) make it compute 0 * inf = NaN; the VJP here gives the limit
-  (their contribution is 0) and matches the reference wherever the reference is finite.
-* The last normalized axis sums to ``s / (s + eps)`` of its pre-normalization sum ``s``, i.e.
-  to 1 within ``eps / s``. ``deepseek_v4`` columns: measured <= 1.3e-6 from 1 for every input
-  class tested, +-1e4 and ``-inf`` included (the softmax ``+ eps`` keeps entries positive).
-  ``paper`` rows: <= 3e-6 with ``-inf`` entries, but ``exp(x - max)`` is 0 for logits ~88 or
-  more below the matrix max, a row (or column) of zeros stays zero, and a row whose mass stays
-  near ``eps`` sums to less than 1: logits with a spread of hundreds (e.g. +-1e4) are far from
-  doubly stochastic in this variant (as in the reference formula); the output is still finite,
-  in [0, 1].
-* The other axis carries the convergence residual of a fixed ``iters``, the same in the
-  reference (worst |sum - 1| over 20k random matrices, both variants, 20 iters): logits of std
-  0.1: 1.3e-6; std 1: 1.5e-3 for n = 4..16 (1.1e-2 at n = 2); std 2..8: 2e-2 to 3e-1
-  (near-permutation matrices converge slowly; some zero patterns admit no doubly-stochastic
-  scaling at all). mHC's small logit scales (alpha = 0.01 at init) sit in the converged regime;
-  more ``iters`` shrink the residual.
-* ``-inf`` logits mean a zero entry. ``deepseek_v4``: a row that is entirely ``-inf`` has no
-  softmax and gives NaN, as in transformers. ``paper``: an all ``-inf`` matrix gives zeros
-  (``eps > 0``). NaN and ``+inf`` inputs propagate NaN (``check_finite=True`` raises instead).
+* ``paper``: rows and columns sum to 1 within 1e-6 for any finite input (test at logit scales
+  1, 100 and 1e4). Logits of large magnitude are ill-conditioned in fp32: the log-domain
+  potentials reach the logits' magnitude, where one ulp is ~1e-3 at 1e4, so two correct fp32
+  computations (this backend, the reference, Triton) differ by up to ~1e-3 there; at logit
+  scales up to ~10 they agree to ~1e-7.
+* ``deepseek_v4``: the last normalized axis (columns) sums to ``s / (s + eps)`` of its
+  pre-normalization sum ``s``, i.e. to 1 within ``eps / s``: measured <= 1.3e-6 from 1 for every
+  input class tested, +-1e4 and ``-inf`` included (the softmax ``+ eps`` keeps entries
+  positive). The other axis carries the convergence residual of a fixed ``iters`` (worst
+  |sum - 1| over 20k random matrices, 20 iters): logits of std 0.1: 1.3e-6; std 1: 1.5e-3 for
+  n = 4..16 (1.1e-2 at n = 2); std 2..8: 2e-2 to 3e-1 (near-permutation matrices converge
+  slowly; some zero patterns admit no doubly-stochastic scaling at all). mHC's small logit
+  scales (alpha = 0.01 at init) sit in the converged regime; more ``iters`` shrink the residual.
+* ``-inf`` logits mean a zero entry in the iterations. ``deepseek_v4``: a row that is entirely
+  ``-inf`` has no softmax and gives NaN, as in transformers. ``paper``: a pattern of ``-inf``
+  that admits no doubly-stochastic matrix (an all ``-inf`` row or column, an all ``-inf``
+  matrix) is completed by the rounding step, which may put mass on ``-inf`` entries (an all
+  ``-inf`` matrix gives the uniform ``1/n``). NaN and ``+inf`` inputs propagate NaN
+  (``check_finite=True`` raises instead).
+* The rounding step is piecewise smooth (``max(c, 1)``, the deficits' ``max(., 0)``); its
+  gradient is the one autograd gives through the reference formula. Where the iterations
+  converged its kinks do not move the gradient (the iterate's perturbations keep the sums).
 * Double backward is not supported (the backward is a hand-written VJP).
 """
 
@@ -156,7 +177,8 @@ def sinkhorn_reference(
     Args:
         logits: [..., n, n] unnormalized log-weights, any float dtype.
         iters: Sinkhorn iterations (>= 1).
-        eps: added to every denominator (and, for ``deepseek_v4``, to the softmax).
+        eps: ``deepseek_v4``: added to every denominator and to the softmax; not used by
+            ``paper`` (log domain: no denominator can vanish).
         variant: ``"deepseek_v4"`` or ``"paper"``.
 
     Returns:
@@ -171,15 +193,53 @@ def sinkhorn_reference(
             a = a / (a.sum(dim=-1, keepdim=True) + eps)
             a = a / (a.sum(dim=-2, keepdim=True) + eps)
         return a
-    # Sinkhorn is invariant to a global scale of exp(x) (up to eps), so the per-matrix max is
-    # subtracted: logits of 1e4 do not overflow. An all -inf matrix has no finite max: use 0.
-    m = x.amax(dim=(-2, -1), keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    a = torch.exp(x - m)
+    log_a = x
     for _ in range(iters):
-        a = a / (a.sum(dim=-2, keepdim=True) + eps)  # T_c
-        a = a / (a.sum(dim=-1, keepdim=True) + eps)  # T_r
-    return a
+        log_a = _log_normalize(log_a, dim=-2)  # T_c
+        log_a = _log_normalize(log_a, dim=-1)  # T_r
+    return round_to_birkhoff(torch.exp(log_a))
+
+
+def _log_normalize(log_a: torch.Tensor, dim: int) -> torch.Tensor:
+    """``log_a - logsumexp(log_a, dim)``: one Sinkhorn normalization of ``exp(log_a)``.
+
+    Written as ``(L - m) - log(sum exp(L - m))`` with ``m`` the max along ``dim``: the entries
+    near the max are then exact (Sterbenz) however large ``m`` is. ``m`` carries no gradient
+    (it cancels exactly). An all ``-inf`` line has no max: ``m = 0`` and ``sum = 0 -> 1`` leave
+    it at ``-inf`` instead of ``-inf - (-inf) = NaN``; otherwise ``sum >= 1`` (the max's term).
+    """
+    m = log_a.amax(dim=dim, keepdim=True).detach()
+    m = m.masked_fill(torch.isneginf(m), 0.0)
+    shifted = log_a - m
+    return shifted - torch.log(torch.exp(shifted).sum(dim=dim, keepdim=True).clamp_min(1.0))
+
+
+def round_to_birkhoff(a: torch.Tensor) -> torch.Tensor:
+    """Rounds a non-negative matrix onto the doubly-stochastic ones (Altschuler et al. 2017).
+
+    Algorithm 2 of https://arxiv.org/abs/1705.09634 for unit marginals, without its row
+    scaling (the ``paper`` iterations end on a row normalization, so no row has excess mass;
+    a row over 1 by rounding keeps it). Formula in the module docstring. The rank-one term
+    divides by ``max(sum(er), sum(ec))``, equal to ``sum(ec)`` in exact arithmetic: in floating
+    point the two sums differ by rounding, and dividing by the larger keeps ``er_i / d`` and
+    ``ec_j / d`` in [0, 1], so rounding noise in deficits near zero (a converged iterate) is
+    never amplified, in the output or in the gradient.
+
+    Args:
+        a: [..., n, n] non-negative.
+
+    Returns:
+        [..., n, n] non-negative, rows and columns summing to 1 (to rounding), within
+        ``2 * sum_j |colsum_j(a) - 1|`` of ``a`` in L1.
+    """
+    c = a.sum(dim=-2, keepdim=True)  # [..., 1, n]
+    y = a / torch.where(c > 1, c, torch.ones_like(c))
+    er = (1 - y.sum(dim=-1, keepdim=True)).clamp_min(0)  # [..., n, 1]
+    ec = (1 - y.sum(dim=-2, keepdim=True)).clamp_min(0)  # [..., 1, n]
+    ser, sec = er.sum(dim=-2, keepdim=True), ec.sum(dim=-1, keepdim=True)  # [..., 1, 1]
+    d = torch.where(ser > sec, ser, sec)
+    w = ec / torch.where(d > 0, d, torch.ones_like(d))  # where d = 0, ec = 0: no correction
+    return y + er * w
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,32 +287,19 @@ def _softmax_t(xt: torch.Tensor) -> torch.Tensor:
     return e.div_(e.sum(dim=1, keepdim=True))
 
 
-def _init_t(
-    xt: torch.Tensor, eps: float, variant: str, keep: bool
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """A0 (fresh, iterated in place) and, with ``keep``, what the input VJP needs."""
-    if variant == "deepseek_v4":
-        p = _softmax_t(xt)
-        if keep:
-            return p + eps, (p,)
-        return p.add_(eps), ()
-    m = torch.amax(xt, dim=(0, 1), keepdim=True)  # [1, 1, M]
-    finite = torch.isfinite(m)
-    e = torch.exp(xt - torch.where(finite, m, torch.zeros_like(m)))
-    return e, ((m, finite) if keep else ())
-
-
 def _forward_t(
-    xt: torch.Tensor, n_steps: int, eps: float, variant: str, keep: bool
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]:
-    """Runs the iterations in place; with ``keep`` also returns the per-step [n, M] denominators.
+    xt: torch.Tensor, n_steps: int, eps: float, keep: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """``deepseek_v4``: runs the iterations in place.
 
-    The denominators are 2*iters/n times the input, alive only during backward. They are
-    allocated one per step on purpose: each stays under glibc's mmap threshold and is recycled
-    across calls, where a single [steps, n, M] buffer is mmapped and page-faulted anew on every
-    call (measured 8x slower per step on the benchmark case).
+    Returns the last iterate, the softmax ``p`` (with ``keep``, for the input VJP) and, with
+    ``keep``, the per-step [n, M] denominators. These are 2*iters/n times the input, alive only
+    during backward. They are allocated one per step on purpose: each stays under glibc's mmap
+    threshold and is recycled across calls, where a single [steps, n, M] buffer is mmapped and
+    page-faulted anew on every call (measured 8x slower per step on the benchmark case).
     """
-    a, aux = _init_t(xt, eps, variant, keep)
+    p = _softmax_t(xt)
+    a = p + eps if keep else p.add_(eps)
     n, m = a.shape[0], a.shape[2]
     dens: list[torch.Tensor] = []
     buf = torch.empty((n, m), dtype=a.dtype, device=a.device)
@@ -262,13 +309,11 @@ def _forward_t(
             dens.append(buf)
         d = _sum_t(a, k % 2, buf).add_(eps)  # even k: column sums (over rows), odd k: row sums
         a.div_(d)
-    return a, aux, dens
+    return a, (p if keep else None), dens
 
 
-def _backward_t(
-    xt: torch.Tensor, gt: torch.Tensor, n_steps: int, eps: float, variant: str
-) -> torch.Tensor:
-    """VJP of the whole projection in T layout; ``gt`` is overwritten with the result.
+def _backward_t(xt: torch.Tensor, gt: torch.Tensor, n_steps: int, eps: float) -> torch.Tensor:
+    """``deepseek_v4``: VJP of the whole projection in T layout; ``gt`` is overwritten.
 
     One normalization ``B = A / d`` with ``d = sum_axis(A) + eps`` has the VJP
     ``gA = (gB - s) / d`` with ``s = sum_axis(gB * B)``. We carry ``u = g * iterate`` instead of
@@ -278,12 +323,13 @@ def _backward_t(
     the fp64 truth as autograd through the reference is, see the tests), so backward holds one
     [n, n, M] iterate and the [n, M] denominators instead of every iterate.
 
-    Carrying ``u`` also keeps exact zeros harmless: where an iterate is 0 (exp underflow in
-    ``paper``, ``-inf`` logits) ``u`` stays exactly 0, while ``g`` of a row of zeros grows by
-    1/eps per step and autograd through the reference turns 0 * inf into NaN. Wherever that
-    reference is finite the two agree.
+    Carrying ``u`` also keeps exact zeros harmless: where an iterate is 0 (``-inf`` logits)
+    ``u`` stays exactly 0, while ``g`` of a row of zeros grows by 1/eps per step and autograd
+    through the reference turns 0 * inf into NaN. Wherever that reference is finite the two
+    agree.
     """
-    a, aux, dens = _forward_t(xt, n_steps, eps, variant, keep=True)
+    a, p, dens = _forward_t(xt, n_steps, eps, keep=True)
+    assert p is not None
     n, m = a.shape[0], a.shape[2]
     buf = torch.empty((n, m), dtype=a.dtype, device=a.device)
     u = gt.mul_(a)
@@ -292,25 +338,113 @@ def _backward_t(
         u.addcmul_(_sum_t(u, axis, buf), a, value=-1.0)
         if k > 0:
             a.mul_(dens[k].unsqueeze(axis))  # NOTE: after step k's VJP, which needs B_k = a.
-    # Now u = g0 * A0 with A0 the initial matrix.
-    if variant == "deepseek_v4":
-        # A0 = p + eps and the softmax VJP gx = p * (g0 - sum_j g0 p): with t = p * g0 =
-        # u * p / A0, gx = t - p * sum_j t.
-        (p,) = aux
-        q = p / (p + eps)
-        if eps == 0:
-            q.masked_fill_(p == 0, 0.0)  # p / p with p = 0: a zero entry, no gradient
-        t = q.mul_(u)
-        return t.addcmul_(_sum_t(t, 1, buf), p, value=-1.0)
-    # A0 = e = exp(x - max): gx = g0 * e = u, exactly.
-    mx, finite = aux
-    # Gradient through the subtracted max, as autograd through amax gives it: -sum(gx) shared
-    # evenly by the entries equal to the max (only where the max was finite). Tiny (O(eps)) but
-    # it keeps the VJP exact for any eps.
-    tie = (xt == mx) & finite
-    count = tie.sum(dim=(0, 1), keepdim=True).clamp_min_(1)
-    total = u.sum(dim=(0, 1), keepdim=True)
-    return u.sub_(tie * (total / count))
+    # Now u = g0 * A0 with A0 = p + eps, and the softmax VJP is gx = p * (g0 - sum_j g0 p):
+    # with t = p * g0 = u * p / A0, gx = t - p * sum_j t.
+    q = p / (p + eps)
+    if eps == 0:
+        q.masked_fill_(p == 0, 0.0)  # p / p with p = 0: a zero entry, no gradient
+    t = q.mul_(u)
+    return t.addcmul_(_sum_t(t, 1, buf), p, value=-1.0)
+
+
+def _log_forward_t(
+    lt: torch.Tensor, n_steps: int, keep: bool
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``paper``: the log-domain iterations, in place on ``lt`` (log A, [n, n, M]).
+
+    Step ``k`` is ``L = (L - m) - log(sum_axis exp(L - m))`` with ``m`` the max along the axis,
+    as :func:`_log_normalize`. Returns the last log-iterate and, with ``keep``, each step's
+    ([n, M] max, [n, M] log-sum), from which backward recovers the step's input as
+    ``(L + log-sum) + m``: the entries near the max come back exactly, however large ``m``.
+    """
+    n, m = lt.shape[0], lt.shape[2]
+    tmp = torch.empty_like(lt)
+    steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+    mbuf = torch.empty((n, m), dtype=lt.dtype, device=lt.device)
+    sbuf = torch.empty_like(mbuf)
+    for k in range(n_steps):
+        axis = k % 2  # even k: over rows (column normalization), odd k: over columns
+        if keep:
+            mbuf, sbuf = torch.empty_like(mbuf), torch.empty_like(sbuf)
+            steps.append((mbuf, sbuf))
+        mx = mbuf.unsqueeze(axis)
+        torch.amax(lt, dim=axis, keepdim=True, out=mx)
+        mx.masked_fill_(torch.isneginf(mx), 0.0)  # an all -inf line stays -inf (not NaN)
+        lt.sub_(mx)
+        torch.exp(lt, out=tmp)
+        lt.sub_(_sum_t(tmp, axis, sbuf).clamp_min_(1.0).log_())
+    return lt, steps
+
+
+def _round_t(a: torch.Tensor) -> torch.Tensor:
+    """:func:`round_to_birkhoff` of [n, n, M] (rows i = dim 0, columns j = dim 1), in place."""
+    c = a.sum(dim=0, keepdim=True)  # [1, n, M]
+    y = a.div_(torch.where(c > 1, c, torch.ones_like(c)))
+    er = (1 - y.sum(dim=1, keepdim=True)).clamp_min_(0)  # [n, 1, M]
+    ec = (1 - y.sum(dim=0, keepdim=True)).clamp_min_(0)  # [1, n, M]
+    ser, sec = er.sum(dim=0, keepdim=True), ec.sum(dim=1, keepdim=True)  # [1, 1, M]
+    d = torch.where(ser > sec, ser, sec)
+    w = ec / torch.where(d > 0, d, torch.ones_like(d))
+    return y.addcmul_(er, w)
+
+
+def _round_vjp_t(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """VJP of :func:`_round_t` at ``a`` [n, n, M] for the cotangent ``g``; a new tensor.
+
+    ``B = Y + er wᵀ`` with ``w = ec / d``; each ``max(., 0)`` and ``where`` passes the gradient
+    on the branch autograd through :func:`round_to_birkhoff` takes (``clamp_min`` passes it at
+    equality, ``>`` does not).
+    """
+    c = a.sum(dim=0, keepdim=True)  # [1, n, M]
+    over = c > 1
+    cs = torch.where(over, c, torch.ones_like(c))
+    y = a / cs
+    zr = 1 - y.sum(dim=1, keepdim=True)  # [n, 1, M]
+    zc = 1 - y.sum(dim=0, keepdim=True)  # [1, n, M]
+    er, ec = zr.clamp_min(0), zc.clamp_min(0)
+    ser, sec = er.sum(dim=0, keepdim=True), ec.sum(dim=1, keepdim=True)  # [1, 1, M]
+    row_wins = ser > sec
+    d = torch.where(row_wins, ser, sec)
+    pos = d > 0
+    dd = torch.where(pos, d, torch.ones_like(d))
+    w = ec / dd
+    g_er = (g * w).sum(dim=1, keepdim=True)  # [n, 1, M]
+    g_w = (g * er).sum(dim=0, keepdim=True)  # [1, n, M]
+    # w_j = ec_j / d: d w_j / d ec_j = 1 / d, d w_j / d d = -w_j / d (only where d > 0).
+    g_d = torch.where(pos, -(g_w * w).sum(dim=1, keepdim=True) / dd, 0.0)  # [1, 1, M]
+    g_er = g_er + torch.where(row_wins, g_d, 0.0)  # d = sum(er) or sum(ec)
+    g_ec = g_w / dd + torch.where(row_wins, 0.0, g_d)
+    g_zr = torch.where(zr >= 0, g_er, 0.0)
+    g_zc = torch.where(zc >= 0, g_ec, 0.0)
+    gy = g - g_zr - g_zc  # zr = 1 - rowsum(y), zc = 1 - colsum(y)
+    # y = a / cs: d y_ij / d c_j = -y_ij / c_j where c_j > 1, with c_j = sum_i a_ij.
+    g_c = torch.where(over, -(gy * y).sum(dim=0, keepdim=True) / cs, 0.0)
+    return (gy / cs).add_(g_c)
+
+
+def _log_backward_t(lt: torch.Tensor, gt: torch.Tensor, n_steps: int) -> torch.Tensor:
+    """``paper``: VJP of the log-domain iterations and the rounding; ``lt`` is consumed.
+
+    A log-domain step ``B = L - logsumexp_axis(L)`` has the VJP ``gL = gB - exp(B) *
+    sum_axis(gB)`` (the max inside cancels). The cotangent of the log-iterate is ``u = g * A``
+    in terms of ``A = exp(L)``, so this is the same walk as the ``deepseek_v4`` one:
+    ``u -= sum_axis(u) * A_k`` per step, the step's input recovered from the kept (max,
+    log-sum). Exact zeros (``-inf``) keep ``u = 0``.
+    """
+    lt, steps = _log_forward_t(lt, n_steps, keep=True)
+    a = torch.exp(lt)
+    u = _round_vjp_t(a, gt).mul_(a)
+    n, m = a.shape[0], a.shape[2]
+    buf = torch.empty((n, m), dtype=a.dtype, device=a.device)
+    for k in range(n_steps - 1, -1, -1):
+        axis = k % 2
+        if k < n_steps - 1:
+            torch.exp(lt, out=a)  # step k's output
+        u.addcmul_(_sum_t(u, axis, buf), a, value=-1.0)
+        if k > 0:
+            mx, ls = steps[k]
+            lt.add_(ls.unsqueeze(axis)).add_(mx.unsqueeze(axis))  # step k's input
+    return u
 
 
 class _SinkhornFunction(torch.autograd.Function):
@@ -324,7 +458,12 @@ class _SinkhornFunction(torch.autograd.Function):
         if logits.numel() == 0:
             return torch.empty(logits.shape, dtype=dtype, device=logits.device)
         xt = _to_t(logits, dtype)
-        a, _, _ = _forward_t(xt, _num_steps(iters, variant), eps, variant, keep=False)
+        n_steps = _num_steps(iters, variant)
+        if variant == "paper":
+            lt, _ = _log_forward_t(xt, n_steps, keep=False)
+            a = _round_t(lt.exp_())
+        else:
+            a, _, _ = _forward_t(xt, n_steps, eps, keep=False)
         return _from_t(a, logits.shape)
 
     @staticmethod
@@ -337,7 +476,11 @@ class _SinkhornFunction(torch.autograd.Function):
         dtype = _compute_dtype(logits.dtype)
         xt = _to_t(logits, dtype)
         gt = _to_t(grad_out, dtype)
-        gx = _backward_t(xt, gt, _num_steps(iters, variant), eps, variant)
+        n_steps = _num_steps(iters, variant)
+        if variant == "paper":
+            gx = _log_backward_t(xt, gt, n_steps)
+        else:
+            gx = _backward_t(xt, gt, n_steps, eps)
         return _from_t(gx, logits.shape).to(logits.dtype), None, None, None
 
 
@@ -406,19 +549,21 @@ def sinkhorn(
     Args:
         logits: [..., n, n] any float dtype, any leading dims (flattened internally).
         iters: Sinkhorn iterations, >= 1 (transformers' ``hc_sinkhorn_iters``, paper: 20).
-        eps: >= 0, added to every denominator (``deepseek_v4``: also to the softmax;
-            transformers' ``hc_eps``).
+        eps: >= 0. ``deepseek_v4``: added to every denominator and to the softmax
+            (transformers' ``hc_eps``); not used by ``paper``.
         variant: ``"deepseek_v4"`` (transformers' ``DeepseekV4HyperConnection``, to fp32
-            rounding) or ``"paper"`` (``M(t) = T_r(T_c(M(t-1)))`` from ``exp(logits - max)``);
-            formulas in the module docstring.
+            rounding) or ``"paper"`` (``M(t) = T_r(T_c(M(t-1)))`` from ``exp(logits)`` in the
+            log domain, then rounded onto the doubly-stochastic matrices); formulas in the
+            module docstring.
         backend: ``"auto"`` (Triton on CUDA if importable, else torch), ``"torch"`` or
             ``"triton"`` (raises ``RuntimeError`` if it cannot run).
         check_finite: raise ``ValueError`` if ``logits`` holds NaN or ``+inf`` (synchronizes on
             CUDA). Without it NaN propagates to the output. ``-inf`` is always allowed.
 
     Returns:
-        [..., n, n] fp32 (fp64 for fp64 input): the last normalized axis sums to 1 within
-        ``~eps``, the other within the convergence residual (module docstring).
+        [..., n, n] fp32 (fp64 for fp64 input). ``deepseek_v4``: the last normalized axis
+        sums to 1 within ``~eps``, the other within the convergence residual; ``paper``: both
+        sum to 1 (to rounding) for any finite input (module docstring).
 
     Raises:
         ValueError: bad ``iters``/``eps``/``variant``/``backend``/shape, or non-finite logits with
