@@ -254,8 +254,8 @@ def finetune(kind: str, ckpt_dir: Path, run: dict[str, Any], study, method_cfg, 
 def main(argv: list[str] | None = None) -> StudyResult:
     from unicache_train.checkpoint.gguf import KNOWN, fetch
     from unicache_train.checkpoint.hf import import_hf
-    from unicache_train.data.tokenizer import load_tokenizer
     from unicache_train.data.recall_mix import EVAL_SEED_FLOOR
+    from unicache_train.data.tokenizer import load_tokenizer
     from unicache_train.eval import RecallTask
     from unicache_train.eval.text import reference_documents, text_blocks
 
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> StudyResult:
         tok, reference_documents("heldout"), int(study["text_block"]), int(study["text_blocks"])
     )
     ctx = int(study["text_context"])
-    calib = blocks[:4]
+    calib = blocks[:2]
     split = torch.full((calib.shape[0],), ctx, dtype=torch.long)
     log(f"[{time.time() - t_start:.0f}s] calibrating settings on {tuple(calib.shape)} tokens")
     with torch.no_grad():

@@ -41,7 +41,7 @@ def rate_for_reduction(
     reduction: float,
     *,
     max_rate: float = 0.95,
-    iters: int = 10,
+    iters: int = 7,
 ) -> tuple[float, float]:
     """The smallest removal rate whose measured reduction reaches ``reduction`` (bisection).
 

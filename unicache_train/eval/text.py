@@ -141,6 +141,8 @@ def run_text_perplexity(
             split = torch.full((B,), context, dtype=torch.long, device=device)
             out = model(ids, split=split, compressor=compressor)
             for st in out.compression or []:
+                if "kv_bytes" not in st:  # the identity compressor stores nothing new
+                    continue
                 k, r = float(st["kv_bytes"]), float(st["kv_bytes_ratio"])
                 res.kv_bytes += k
                 res.baseline_bytes += k / r if r > 0 else 0.0
