@@ -3,11 +3,13 @@
 import csv
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from unicache_train.config import (
+    CompressionTrainConfig,
     DataConfig,
     LoggingConfig,
     ModelConfig,
@@ -24,6 +26,8 @@ from unicache_train.monitor import (
     find_callback,
     mix_stats,
 )
+from unicache_train.monitor.callbacks import _LayerProbe
+from unicache_train.train.module import LMModule
 from unicache_train.train.run import fit
 
 
@@ -131,3 +135,45 @@ def test_wandb_disabled_needs_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     fit(tiny_run(tmp_path, "wandb"))
     assert not list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+# ----------------------------------------------------------------------------- which forward
+def _gain_check(module: LMModule, batch: dict[str, torch.Tensor], kl_weight: float) -> dict:
+    """One monitored in-loop training step (forward, backward) outside Lightning."""
+    module.config.compress.kl_weight = kl_weight
+    mon = SignalGainMonitor(every_n_steps=1, plot=False)
+    trainer = SimpleNamespace(global_step=0, loggers=[], should_stop=False, is_global_zero=True)
+    mon.on_train_batch_start(trainer, module, batch, 0)
+    loss, logs, _ = module.compressed_loss(batch, step=0)
+    loss.backward()
+    mon.on_after_backward(trainer, module)
+    module.zero_grad()
+    assert ("train/kl" in logs) == (kl_weight > 0)
+    return mon.history[-1]
+
+
+def test_logged_forward_gains_are_the_training_forwards_with_kl():
+    # With kl_weight > 0 a second, no-grad forward of the uncompressed model runs after the
+    # in-loop (compressed) training forward, inside the monitored step. The logged forward
+    # gains must be the training forward's: equal to a step without the KL term (same split,
+    # same compressed forward), not the reference forward's.
+    cfg = RunConfig(
+        model=ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                          num_attention_heads=2, num_key_value_heads=1),
+        compress=CompressionTrainConfig(enabled=True, min_context=8),
+    )
+    torch.manual_seed(0)
+    module = LMModule(cfg)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.model.vocab_size, (4, 49), generator=gen)
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:].clone()}
+    with_kl = _gain_check(module, batch, kl_weight=1.0)
+    without_kl = _gain_check(module, batch, kl_weight=0.0)
+    assert with_kl["fwd"] == without_kl["fwd"]
+    assert all(math.isfinite(g) for g in with_kl["fwd"] + with_kl["bwd"])
+    # Not vacuous: the uncompressed reference forward has other gains (measured ~3% apart).
+    probe = _LayerProbe(module.model.layers)
+    module.model_forward(batch)
+    probe.remove()
+    reference = probe.gains()[0]
+    assert max(abs(a / b - 1) for a, b in zip(reference, with_kl["fwd"])) > 1e-3

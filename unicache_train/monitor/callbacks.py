@@ -42,7 +42,14 @@ def _connections(model: nn.Module) -> list[nn.Module]:
 
 class _LayerProbe:
     """Forward hooks on every layer for one step: input/output RMS, and tensor hooks for the
-    gradient RMS at each layer's input and output."""
+    gradient RMS at each layer's input and output.
+
+    Only the training forward counts, i.e. forwards that record autograd: a no-grad forward of
+    the same layers in the same step (the uncompressed KL reference of the in-loop objective,
+    xKV's causal phase A) is ignored instead of overwriting the training forward's numbers.
+    When several recorded forwards run (xKV's exact phase A, then the in-loop forward), the last
+    one wins, and only its gradient hooks are kept.
+    """
 
     def __init__(self, layers: nn.ModuleList) -> None:
         n = len(layers)
@@ -50,25 +57,29 @@ class _LayerProbe:
         self.fwd_out = [float("nan")] * n
         self.grad_in = [float("nan")] * n
         self.grad_out = [float("nan")] * n
+        self.calls = [0] * n  # recorded forwards of each layer so far
         self.handles = [
             layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(layers)
         ]
 
     def _hook(self, i: int):
         def hook(module, args, output):
+            if not torch.is_grad_enabled():
+                return
+            self.calls[i] += 1
+            call = self.calls[i]
             x = args[0]
             self.fwd_in[i], self.fwd_out[i] = rms(x), rms(output)
-            if torch.is_grad_enabled():
-                if x.requires_grad:
-                    x.register_hook(lambda g: self._store(self.grad_in, i, g))
-                if output.requires_grad:
-                    output.register_hook(lambda g: self._store(self.grad_out, i, g))
+            if x.requires_grad:
+                x.register_hook(lambda g: self._store(self.grad_in, i, call, g))
+            if output.requires_grad:
+                output.register_hook(lambda g: self._store(self.grad_out, i, call, g))
 
         return hook
 
-    @staticmethod
-    def _store(buf: list[float], i: int, g: torch.Tensor) -> None:
-        buf[i] = rms(g)
+    def _store(self, buf: list[float], i: int, call: int, g: torch.Tensor) -> None:
+        if call == self.calls[i]:  # a gradient of the forward whose numbers were kept
+            buf[i] = rms(g)
 
     def remove(self) -> None:
         for h in self.handles:

@@ -153,7 +153,9 @@ class LMModule(L.LightningModule):
             if cross is not None:
                 ref, cross.reference_logits = cross.reference_logits, None
             # NOTE: the same weights without gradient, not a frozen copy: the target moves with
-            # the model, as self-distillation to the uncompressed forward intends.
+            # the model, as self-distillation to the uncompressed forward intends. no_grad also
+            # keeps the per-layer gains of SignalGainMonitor on the training forward above: its
+            # probe ignores forwards that do not record autograd.
             if ref is None:
                 with torch.no_grad():
                     ref = self.model_forward(batch).logits
