@@ -84,6 +84,11 @@ def checkpoint_dir(name: str, root: str | Path | None = None) -> Path:
     return Path(root or cache_root()) / "models" / _known(name).title
 
 
+def gguf_path(name: str, root: str | Path | None = None) -> Path:
+    """Where :func:`fetch` keeps the original ``.gguf`` file of ``name``."""
+    return Path(root or cache_root()) / "gguf-files" / _known(name).gguf
+
+
 def fetched_dir(name: str, root: str | Path | None = None) -> Path:
     """The HF directory of a fetched checkpoint.
 
@@ -140,6 +145,7 @@ def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
     try:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -154,6 +160,25 @@ def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def converted_dir(gguf_file: str | Path, root: str | Path | None = None) -> Path:
+    """The plain HF directory of a local ``.gguf`` file, converted once into the cache.
+
+    The cache entry is keyed by the file's resolved path, size and modification time, so an
+    edited or replaced file is converted again.
+    """
+    import hashlib
+
+    gguf_file = Path(gguf_file).expanduser().resolve()
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_file}")
+    st = gguf_file.stat()
+    key = hashlib.sha256(f"{gguf_file}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = Path(root or cache_root()) / "gguf" / f"{gguf_file.stem}-{key}"
+    if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
+        gguf_to_hf_dir(gguf_file, out)
+    return out
 
 
 def _download_gguf(ckpt: KnownCheckpoint, work: Path) -> Path:
@@ -195,7 +220,7 @@ def fetch(name: str, root: str | Path | None = None, force: bool = False) -> Pat
     """
     ckpt = _known(name)
     target = checkpoint_dir(name, root)
-    if not force:
+    if not force and gguf_path(name, root).is_file():
         try:
             return fetched_dir(name, root)
         except CheckpointNotFetched:
@@ -205,6 +230,10 @@ def fetch(name: str, root: str | Path | None = None, force: bool = False) -> Pat
         gguf_file = _download_gguf(ckpt, Path(work))
         print(f"[fetch] dequantizing {gguf_file.name} -> {target}", flush=True)
         gguf_to_hf_dir(gguf_file, target)
+        # The GGUF itself is kept too (import_hf reads .gguf files; tests compare both paths).
+        keep = gguf_path(name, root)
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(gguf_file, keep)
     print(f"[fetch] {ckpt.title} ({ckpt.license}) ready in {target}", flush=True)
     return target
 

@@ -490,14 +490,16 @@ def _read_config(path: Path) -> dict[str, Any]:
 def import_hf(
     path: str | Path, *, dtype: torch.dtype | None = None
 ) -> tuple[Decoder, ModelConfig]:
-    """Build our :class:`Decoder` from a local HF checkpoint directory.
+    """Build our :class:`Decoder` from a local HF checkpoint directory or a ``.gguf`` file.
 
     Supports ``llama``, ``qwen2``, ``qwen3``, ``mistral`` and our ``unicache_mhc`` export. The
     tokenizer, if the directory has one, loads with
     ``unicache_train.data.tokenizer.load_tokenizer(path)``.
 
     Args:
-        path: directory with ``config.json`` and safetensors weights.
+        path: directory with ``config.json`` and safetensors weights, or a ``.gguf`` file of
+            one of these families (dequantized by transformers into a cached plain directory,
+            :func:`unicache_train.checkpoint.gguf.converted_dir`; tokenizer files included).
         dtype: parameter dtype of the returned model (default fp32; mHC parameters stay fp32).
 
     Returns:
@@ -509,6 +511,10 @@ def import_hf(
         FileNotFoundError: no config.json or no weights.
     """
     path = Path(path)
+    if path.suffix == ".gguf":
+        from unicache_train.checkpoint.gguf import converted_dir
+
+        path = converted_dir(path)  # dequantized once into the cache, then read as HF
     config, family = from_hf_config(_read_config(path))
     sd = from_hf_state_dict(load_safetensors_dir(path), config, family)
     model = Decoder(config)
