@@ -31,9 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from unicache_train.config import ConfigError, RunConfig, _choice, _int, _range, apply_overrides
+from unicache_train.config import (
+    ConfigError,
+    RunConfig,
+    _build,
+    _choice,
+    _int,
+    _range,
+    apply_overrides,
+    load_yaml,
+)
 from unicache_train.model import Decoder
 from unicache_train.model.convert_mla import convert_to_mla_with_report, kv_elements_per_token
 from unicache_train.train.evaluate import evaluate_perplexity
@@ -78,14 +86,14 @@ class RecipeConfig:
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] | None = None) -> RecipeConfig:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = load_yaml(Path(path).read_text()) or {}
         apply_overrides(data, overrides or [])
         unknown = sorted(set(data) - {"run", "convert"})
         if unknown:
             raise ConfigError(f"{path}: unknown section(s) {unknown}; known: ['convert', 'run']")
         return cls(
             run=RunConfig.from_dict(data.get("run") or {}),
-            convert=ConvertConfig(**(data.get("convert") or {})),
+            convert=_build(ConvertConfig, data.get("convert") or {}, "convert"),
         )
 
 
@@ -243,11 +251,20 @@ def _print_table(result: dict[str, Any]) -> None:
         )
 
 
-if __name__ == "__main__":
-    args = sys.argv[1:]
+def cli(argv: list[str]) -> None:
+    """``[--config FILE.yaml] [section.field=value ...]`` -> the run."""
+    args = list(argv)
     path = Path(__file__).with_suffix(".yaml")
     if "--config" in args:
         i = args.index("--config")
+        if i + 1 >= len(args):
+            raise ConfigError("--config needs a YAML path")
         path = Path(args[i + 1])
         del args[i : i + 2]
     main(RecipeConfig.load(path, args))
+
+
+if __name__ == "__main__":
+    from unicache_train.cli import report_user_errors
+
+    report_user_errors(lambda: cli(sys.argv[1:]))

@@ -41,9 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import yaml
 
-from unicache_train.config import ConfigError, RunConfig
+from unicache_train.config import ConfigError, RunConfig, _int, load_yaml
 
 HERE = Path(__file__).resolve().parent
 
@@ -73,6 +72,20 @@ class RecipeOptions:
     num_recall: int = 100
     limit_batches: int = 8
     recall_seed: int = 9_999
+
+    def __post_init__(self) -> None:
+        for name in ("base_checkpoint",):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"RecipeOptions.{name}={value!r}: expected None or a path")
+        if not isinstance(self.pretrain_overrides, list):
+            raise ConfigError(
+                f"RecipeOptions.pretrain_overrides={self.pretrain_overrides!r}: expected a list "
+                "of section.field=value strings"
+            )
+        _int(self, "num_recall", 0)
+        _int(self, "limit_batches", 1)
+        _int(self, "recall_seed", 0)
 
 
 class InitFromCheckpoint(L.Callback):
@@ -117,7 +130,7 @@ def parse_args(argv: list[str]) -> tuple[RecipeOptions, RunConfig]:
         if key == "base_checkpoint":
             opts["base_checkpoint"] = raw
         elif key.startswith("recipe."):
-            opts[key.removeprefix("recipe.")] = yaml.safe_load(raw)
+            opts[key.removeprefix("recipe.")] = load_yaml(raw)
         elif key.startswith("pretrain."):
             pre_over.append(a.removeprefix("pretrain."))
         else:
@@ -300,4 +313,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
 
 
 if __name__ == "__main__":
-    main()
+    from unicache_train.cli import report_user_errors
+
+    report_user_errors(main)

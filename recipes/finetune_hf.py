@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from safetensors.torch import save_file
 
 from unicache_train.checkpoint.hf import export_hf, import_hf
-from unicache_train.config import ConfigError, RunConfig, apply_overrides
+from unicache_train.config import ConfigError, RunConfig, apply_overrides, load_yaml
 
 DEFAULT_YAML = Path(__file__).with_suffix(".yaml")
 HF_DEFAULTS: dict[str, Any] = {
@@ -51,7 +50,7 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
                 path = Path(value)
             else:
                 args.append(f"hf.checkpoint_dir={value}")
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = load_yaml(Path(path).read_text()) or {}
     apply_overrides(data, args)
     hf = {**HF_DEFAULTS, **(data.pop("hf", None) or {})}
     unknown = sorted(set(hf) - set(HF_DEFAULTS))
@@ -123,4 +122,6 @@ def _source_family(path: Path) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from unicache_train.cli import report_user_errors
+
+    report_user_errors(main)

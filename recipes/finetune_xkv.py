@@ -40,9 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from unicache_train.config import ConfigError, RunConfig
+from unicache_train.config import ConfigError, RunConfig, load_yaml
 
 HERE = Path(__file__).resolve().parent
 
@@ -80,6 +78,13 @@ class XKVOptions:
     finetune_unicache: bool = True
     control: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("finetune_unicache", "control"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"recipe.{name}={getattr(self, name)!r}: expected a bool (true or false)"
+                )
+
 
 def split_args(argv: list[str]) -> tuple[XKVOptions, list[str]]:
     """Take this recipe's ``recipe.*`` options out of ``argv``; the rest is finetune_compress's."""
@@ -89,7 +94,7 @@ def split_args(argv: list[str]) -> tuple[XKVOptions, list[str]]:
     for a in argv:
         key, sep, raw = a.partition("=")
         if sep and key.startswith("recipe.") and key.removeprefix("recipe.") in mine:
-            opts[key.removeprefix("recipe.")] = yaml.safe_load(raw)
+            opts[key.removeprefix("recipe.")] = load_yaml(raw)
         else:
             rest.append(a)
     x = XKVOptions(**opts)
@@ -283,4 +288,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
 
 
 if __name__ == "__main__":
-    main()
+    from unicache_train.cli import report_user_errors
+
+    report_user_errors(main)

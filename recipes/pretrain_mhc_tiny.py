@@ -6,7 +6,8 @@
 
 from pathlib import Path
 
+from unicache_train.cli import report_user_errors
 from unicache_train.train.run import run_recipe
 
 if __name__ == "__main__":
-    run_recipe(Path(__file__).with_suffix(".yaml"))
+    report_user_errors(lambda: run_recipe(Path(__file__).with_suffix(".yaml")))

@@ -52,9 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from unicache_train.config import ConfigError, apply_overrides, deep_merge
+from unicache_train.compress.config import MAX_RATE
+from unicache_train.config import ConfigError, _int, apply_overrides, deep_merge, load_yaml
 
 HERE = Path(__file__).resolve().parent
 
@@ -108,6 +107,26 @@ class RecipeOptions:
     vision_steps: int = 300
     control_finetune: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("skip_finetune", "rate_grid", "control_finetune"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"RecipeOptions.{name}={getattr(self, name)!r}: expected a bool (true or false)"
+                )
+        _int(self, "num_per_task", 1)
+        _int(self, "eval_seed", 0)
+        _int(self, "eval_batch_size", 1)
+        _int(self, "vision_steps", 0)
+        for name in ("rates", "grid_vision", "grid_text"):
+            values = getattr(self, name)
+            if not isinstance(values, list) or not all(
+                not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v <= MAX_RATE
+                for v in values
+            ):
+                raise ConfigError(
+                    f"RecipeOptions.{name}={values!r}: expected a list of rates in [0, {MAX_RATE}]"
+                )
+
 
 def parse_args(argv: list[str]) -> tuple[RecipeOptions, Any]:
     """Split the arguments into recipe options and the base config (see the module doc)."""
@@ -134,7 +153,7 @@ def parse_args(argv: list[str]) -> tuple[RecipeOptions, Any]:
         if not sep:
             raise ConfigError(f"argument {a!r} must look like section.field=value")
         if key.startswith("recipe."):
-            opts[key.removeprefix("recipe.")] = yaml.safe_load(raw)
+            opts[key.removeprefix("recipe.")] = load_yaml(raw)
         elif key.startswith("finetune."):
             ft_over.append(a.removeprefix("finetune."))
         else:
@@ -156,7 +175,7 @@ def finetune_config(options: RecipeOptions, base: Any) -> Any:
     path = Path(options.finetune_config)
     if not path.is_file():
         raise FileNotFoundError(f"recipe.finetune_config={str(path)!r}: no such file")
-    over = yaml.safe_load(path.read_text()) or {}
+    over = load_yaml(path.read_text()) or {}
     apply_overrides(over, options.finetune_overrides)
     d = base.to_dict()
     d["compress"].pop("unicache")  # the fine-tune's preset + overrides decide it
@@ -536,4 +555,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
 
 if __name__ == "__main__":
-    main()
+    from unicache_train.cli import report_user_errors
+
+    report_user_errors(main)

@@ -430,7 +430,9 @@ def test_deepseek_v4_matches_transformers_transcription(iters):
 def test_deepseek_v4_matches_transformers_module(monkeypatch):
     # The Sinkhorn is inline in the module's forward, so we capture the exact logits it feeds to
     # torch.softmax and compare its `comb` output with our op on them.
-    mdl = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    # NOTE: imported, not importorskip'ed: pyproject pins transformers>=5.8 (deepseek_v4), so a
+    # missing module is a broken environment and must fail this parity test, not skip it.
+    import transformers.models.deepseek_v4.modeling_deepseek_v4 as mdl
     from transformers import DeepseekV4Config
 
     cfg = DeepseekV4Config(hidden_size=16, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6)

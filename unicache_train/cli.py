@@ -7,9 +7,11 @@ Each subcommand is a plain function; its typed signature and docstring make the 
 
 from __future__ import annotations
 
+import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from unicache_train.config import (
     CompressionTrainConfig,
@@ -57,6 +59,10 @@ def fit(
     )
 
 
+#: ``evaluate --logger`` values (None: no logger).
+EVAL_LOGGERS = (None, "csv", "tensorboard", "wandb", "none")
+
+
 def evaluate(
     checkpoint: str,
     data: DataConfig | None = None,
@@ -85,6 +91,12 @@ def evaluate(
     from unicache_train.data.datamodule import LMDataModule
     from unicache_train.train.evaluate import evaluate_perplexity
 
+    if logger not in EVAL_LOGGERS:  # before any work, not after the perplexity pass
+        raise ConfigError(f"evaluate --logger={logger!r} is not allowed; choose one of "
+                          f"{list(EVAL_LOGGERS[1:])}")
+    if isinstance(limit_batches, bool) or not isinstance(limit_batches, int) or limit_batches < 1:
+        raise ConfigError(f"evaluate --limit_batches={limit_batches!r} is out of range; allowed "
+                          "an integer in [1, inf)")
     model, config = load_checkpoint(checkpoint)
     data_cfg = data or config.data
     dm = LMDataModule(data_cfg)
@@ -163,6 +175,7 @@ def generate(
     from unicache_train.checkpoint import load_checkpoint
     from unicache_train.data.tokenizer import load_tokenizer
 
+    _check_generate_options(max_new_tokens, temperature, top_k)
     model, config = load_checkpoint(checkpoint)
     tok = load_tokenizer(config.data.tokenizer)
     ids = torch.tensor([tok.encode(prompt, add_bos=True)])
@@ -172,6 +185,29 @@ def generate(
     text = tok.decode(out[0, ids.shape[1]:].tolist())
     print(prompt + text)
     return text
+
+
+def _check_generate_options(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """Refuse bad ``generate`` options before the checkpoint is loaded (named, with the range)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
+        max_new_tokens < 0
+    ):
+        raise ConfigError(
+            f"generate --max_new_tokens={max_new_tokens!r} is out of range; allowed an integer "
+            "in [0, inf)"
+        )
+    if not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and temperature >= 0
+    ):
+        raise ConfigError(
+            f"generate --temperature={temperature!r} is out of range; allowed [0, inf) "
+            "(0 = greedy)"
+        )
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ConfigError(
+            f"generate --top_k={top_k!r} is out of range; allowed an integer in [1, inf) "
+            "(unset: sample from the whole vocabulary)"
+        )
 
 
 def export(
@@ -220,9 +256,7 @@ def _fold_compress_flags(argv: list[str]) -> list[str]:
     """
     import json
 
-    import yaml
-
-    from unicache_train.config import deep_merge
+    from unicache_train.config import deep_merge, load_yaml
 
     if not argv or argv[0] not in ("fit", "pretrain"):
         return argv
@@ -236,7 +270,7 @@ def _fold_compress_flags(argv: list[str]) -> list[str]:
         if key == "--config":
             path = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
             if path is not None and Path(path).is_file():
-                loaded = yaml.safe_load(Path(path).read_text()) or {}
+                loaded = load_yaml(Path(path).read_text()) or {}
                 section = loaded.get("compress") if isinstance(loaded, dict) else None
                 for name in _MAPPING_SECTIONS:
                     sub = section.get(name) if isinstance(section, dict) else None
@@ -252,7 +286,7 @@ def _fold_compress_flags(argv: list[str]) -> list[str]:
             node = folded[parts[1]]
             for part in parts[2:-1]:
                 node = node.setdefault(part, {})
-            node[parts[-1]] = yaml.safe_load(value)
+            node[parts[-1]] = load_yaml(value)
             i += 1
             continue
         if len(parts) == 2 and parts[0] == "--compress" and parts[1] in _MAPPING_SECTIONS:
@@ -261,7 +295,7 @@ def _fold_compress_flags(argv: list[str]) -> list[str]:
                     raise ConfigError(f"{key}: missing value")
                 value = argv[i + 1]
                 i += 1
-            mapping = yaml.safe_load(value)
+            mapping = load_yaml(value)
             if not isinstance(mapping, dict):
                 raise ConfigError(f"{key}={value!r}: expected a mapping (JSON or YAML)")
             folded[parts[1]] = deep_merge(folded[parts[1]], mapping)
@@ -275,29 +309,67 @@ def _fold_compress_flags(argv: list[str]) -> list[str]:
     return rest
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``unicache-train`` console script."""
-    from jsonargparse import CLI
-
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """The errors that mean "bad input" (a message for the user, not a bug to trace)."""
     from unicache_train.checkpoint.deepseek_v3 import DeepseekV3ExportError
     from unicache_train.checkpoint.hf import HFCheckpointError
     from unicache_train.checkpoint.safe_load import UnsafeCheckpointError
 
+    return (ConfigError, FileNotFoundError, HFCheckpointError, DeepseekV3ExportError,
+            UnsafeCheckpointError)
+
+
+def user_error(err: BaseException) -> BaseException | None:
+    """The bad-input error behind ``err``, if any: ``err`` itself or one of its causes.
+
+    jsonargparse wraps a config dataclass's :class:`ConfigError` (e.g. in an ``Optional[...]``
+    section such as ``evaluate --compression``) into its own ``ValueError``; the cause chain
+    still holds ours, whose message names the field, the value and the range.
+    """
+    kinds = _user_error_types()
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, kinds):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+T = TypeVar("T")
+
+
+def report_user_errors(fn: Callable[[], T]) -> T:
+    """Run ``fn``; bad input ends the process with one line ``error: <message>`` on stderr and
+    exit code 2 instead of a traceback. Every other exception propagates unchanged."""
     try:
-        argv = _fold_compress_flags(list(sys.argv[1:] if argv is None else argv))
+        return fn()
+    except Exception as err:
+        found = user_error(err)
+        if found is None:
+            raise
+        print(f"error: {found}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``unicache-train`` console script."""
+    from jsonargparse import CLI
+
+    def run() -> None:
+        args = _fold_compress_flags(list(sys.argv[1:] if argv is None else argv))
         CLI(
             {"fit": fit, "pretrain": fit, "evaluate": evaluate, "generate": generate,
              "export": export},
-            args=argv,
+            args=args,
             # Required parameters as --options (``evaluate --checkpoint X``, as the README has).
             as_positional=False,
             description="unicache_train: mHC hyper-connections and compression-aware "
             "KV-cache fine-tuning. Run `unicache-train SUBCOMMAND --help` for details.",
         )
-    except (ConfigError, FileNotFoundError, HFCheckpointError, DeepseekV3ExportError,
-            UnsafeCheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+
+    report_user_errors(run)
 
 
 if __name__ == "__main__":

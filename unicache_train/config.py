@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConfigError",
+    "load_yaml",
     "ModelConfig",
     "DataConfig",
     "SyntheticDataConfig",
@@ -39,6 +41,43 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, value and allowed range."""
 
 
+# --------------------------------------------------------------------------------- YAML
+class _YAMLLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that reads every usual number notation as a number.
+
+    PyYAML implements YAML 1.1, whose float pattern needs a dot and a signed exponent: ``1e-4``,
+    ``1E-4``, ``1e4`` and ``-.5`` come back as *strings* there (then refused as "expected a
+    number"). YAML 1.2 and every other parser read them as floats; so do we.
+    """
+
+
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+
+        |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?)$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML text (a config file or one ``section.field=value`` override's value) with
+    :class:`_YAMLLoader`: ``1e-4``, ``1E-4``, ``.5``, ``-.5``, ``1_000`` are numbers."""
+    return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+# --------------------------------------------------------------------------------- validators
+def _interval(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    """The allowed range as text: ``[0, 1)``, ``(0, inf)``."""
+    left = "(" if lo_open or lo is None else "["
+    right = ")" if hi_open or hi is None else "]"
+    lo_s = "-inf" if lo is None else lo
+    hi_s = "inf" if hi is None else hi
+    return f"{left}{lo_s}, {hi_s}{right}"
+
+
 def _range(
     obj: Any,
     name: str,
@@ -48,26 +87,28 @@ def _range(
     lo_open=False,
     hi_open=False,
 ) -> None:
+    """``getattr(obj, name)`` must be a finite number in the range (inf and NaN are refused:
+    no config field of ours means anything at infinity)."""
     value = getattr(obj, name)
     cls = type(obj).__name__
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ConfigError(f"{cls}.{name}={value!r}: expected a number")
+    allowed = _interval(lo, hi, lo_open, hi_open)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(
+            f"{cls}.{name}={value!r}: expected a number in {allowed}, got {type(value).__name__}"
+        )
     bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
     bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
-    if bad_lo or bad_hi:
-        left = "(" if lo_open else "["
-        right = ")" if hi_open else "]"
-        lo_s = "-inf" if lo is None else lo
-        hi_s = "inf" if hi is None else hi
-        raise ConfigError(
-            f"{cls}.{name}={value!r} is out of range; allowed {left}{lo_s}, {hi_s}{right}"
-        )
+    if not math.isfinite(value) or bad_lo or bad_hi:
+        raise ConfigError(f"{cls}.{name}={value!r} is out of range; allowed {allowed}")
 
 
 def _int(obj: Any, name: str, lo: int | None = None, hi: int | None = None) -> None:
     value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{type(obj).__name__}.{name}={value!r}: expected an integer")
+        raise ConfigError(
+            f"{type(obj).__name__}.{name}={value!r}: expected an integer in "
+            f"{_interval(lo, hi, False, False)}"
+        )
     _range(obj, name, lo, hi)
 
 
@@ -80,6 +121,8 @@ def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
 
 
 RESIDUAL_MODES = ("residual", "mhc", "hc")
+#: ModelConfig.hc_mult's default (deepseek_v4's): the streams of an mHC model unless set.
+HC_MULT_DEFAULT = 4
 HC_PRESETS = ("deepseek_v4", "paper")
 ATTENTION_TYPES = ("gqa", "mla")
 # Lightning's registered DeepSpeed names (offload variants included); ``deepspeed`` = stage 2.
@@ -121,7 +164,7 @@ class ModelConfig:
     attention_type: str = "gqa"
     # Hyper-connections (names as in transformers' deepseek_v4).
     residual_mode: str = "residual"
-    hc_mult: int = 4
+    hc_mult: int = HC_MULT_DEFAULT
     hc_preset: str = "deepseek_v4"
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
@@ -168,6 +211,14 @@ class ModelConfig:
             )
         _choice(self, "residual_mode", RESIDUAL_MODES)
         _int(self, "hc_mult", 1, 64)
+        if self.residual_mode == "residual" and self.hc_mult not in (1, HC_MULT_DEFAULT):
+            # NOTE: the default (4) stays valid with a plain residual: every saved config of a
+            # plain model carries it. Any other value was meant to widen the residual.
+            raise ConfigError(
+                f"ModelConfig.hc_mult={self.hc_mult} has no effect with residual_mode='residual' "
+                "(a plain residual has one stream); set residual_mode to 'mhc' or 'hc' for "
+                f"{self.hc_mult} streams, or hc_mult to 1"
+            )
         _choice(self, "hc_preset", HC_PRESETS)
         _int(self, "hc_sinkhorn_iters", 1, 1000)
         _range(self, "hc_eps", 0, 1)
@@ -563,7 +614,7 @@ class RunConfig:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
         apply_overrides(data, overrides or [])
@@ -571,7 +622,8 @@ class RunConfig:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict in place."""
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML, :func:`load_yaml`) to a nested
+    dict in place."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -582,7 +634,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = load_yaml(raw)
     return data
 
 

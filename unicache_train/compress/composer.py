@@ -21,12 +21,20 @@ Stats on every segment (scalars, no gradient): ``keep_ratio`` (entries / context
 this layer, including scales and head sharing), ``kv_bytes_ratio`` (vs the 16-bit uncompressed
 context cache), ``merged_fraction`` and ``evicted_fraction`` (of context tokens),
 ``heads_merged`` (KV heads merged away, mean over samples), ``protected_fraction``,
-``rate_target`` (mean requested layer rate), ``budget_shortfall`` (tokens the budget asked for but
-protection forbade removing, / context tokens) and ``complexity`` (when the fallback ran).
+``rate_target`` (mean requested layer rate), ``rate_realized`` (context tokens removed, merged or
+evicted, / context tokens: ``1 - keep_ratio``), ``budget_shortfall`` (tokens the layer rate asked
+for but were not removed, / context tokens: whatever withheld them, modality caps, protection or
+the rule that never empties a modality), ``budget_cap_withheld`` (the part of it the modality
+caps withheld, when the budget step ran) and ``complexity`` (when the fallback ran).
+
+A compressor that falls short of its requested rate by more than :data:`SHORTFALL_WARN` of the
+context warns once (:class:`RateShortfallWarning`), e.g. the default preset's text cap (0.40)
+against a target of 0.6 on text.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -41,7 +49,7 @@ from unicache_train.compress.base import (
 )
 from unicache_train.compress.budget import ModalityBudget
 from unicache_train.compress.common import check_modalities
-from unicache_train.compress.config import UniCacheConfig
+from unicache_train.compress.config import MAX_RATE, UniCacheConfig
 from unicache_train.compress.fallback import DynamicFallback
 from unicache_train.compress.head_merge import HeadMerge, num_groups
 from unicache_train.compress.importance import Importance
@@ -51,7 +59,22 @@ from unicache_train.compress.quantize import Quantize, baseline_kv_bytes, segmen
 from unicache_train.compress.schedule import LayerSchedule
 from unicache_train.compress.state import CompressionState, CompressionStep, identity_segment
 
-__all__ = ["ComposedCompressor", "UniCacheCompressor", "PerLayerCompressor", "segment_stats"]
+__all__ = [
+    "ComposedCompressor",
+    "UniCacheCompressor",
+    "PerLayerCompressor",
+    "segment_stats",
+    "RateShortfallWarning",
+    "SHORTFALL_WARN",
+]
+
+#: Shortfall (fraction of the context tokens the requested rate asked for but were not removed)
+#: above which a compressor warns (once).
+SHORTFALL_WARN = 0.01
+
+
+class RateShortfallWarning(UserWarning):
+    """A compressor removes less of the context than its requested rate (e.g. modality caps)."""
 
 
 class ComposedCompressor:
@@ -81,6 +104,25 @@ class ComposedCompressor:
         similarity: str = "keys",
         cache_dtype_bytes: int = 2,
     ) -> None:
+        _check_number("target_rate", target_rate, 0.0, MAX_RATE)
+        _check_number("rate_scale", rate_scale, 0.0, 1.0)
+        for name, value, lo in (("window", window, 1), ("neighbours", neighbours, 0),
+                                ("frame_stride", frame_stride, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(
+                    f"ComposedCompressor.{name}={value!r} is out of range; allowed an integer "
+                    f"in [{lo}, inf)"
+                )
+        if similarity not in ("keys", "kv"):
+            raise ValueError(
+                f"ComposedCompressor.similarity={similarity!r} is not allowed; choose one of "
+                "['keys', 'kv']"
+            )
+        if cache_dtype_bytes not in (1, 2, 4):
+            raise ValueError(
+                f"ComposedCompressor.cache_dtype_bytes={cache_dtype_bytes!r} is not allowed; "
+                "choose one of [1, 2, 4]"
+            )
         stages = [getattr(s, "stage", None) for s in steps]
         known = [s for s in stages if s is not None]
         if known != sorted(known):
@@ -96,6 +138,9 @@ class ComposedCompressor:
         self.window, self.neighbours = window, neighbours
         self.frame_stride, self.similarity = frame_stride, similarity
         self.cache_dtype_bytes = cache_dtype_bytes
+        self._shortfall_warned = False
+        # layer -> the (target_rate, rate_scale) its shortfall was last checked at.
+        self._shortfall_checked: dict[int, tuple[float, float]] = {}
 
     def is_rate_zero(self) -> bool:
         """Rate 0: only steps marked ``runs_at_rate_zero`` (quantization) run."""
@@ -137,7 +182,46 @@ class ComposedCompressor:
             )
             state.segment = seg
         state.segment.stats.update(segment_stats(state, self.cache_dtype_bytes))
+        self._check_shortfall(inp.layer_idx, state.segment.stats)
         return state
+
+    def _check_shortfall(self, layer_idx: int, stats: dict[str, torch.Tensor]) -> None:
+        """Warn once per compressor when a layer removes less than its requested rate.
+
+        Checked on the first call of each layer at each (target_rate, rate_scale), not on every
+        call: reading the stat syncs the device, and the shortfall of caps and protection
+        follows the rate (a curriculum re-checks as it moves the rate).
+        """
+        if self._shortfall_warned or "budget_shortfall" not in stats:
+            return
+        key = (float(self.target_rate), float(self.rate_scale))
+        if self._shortfall_checked.get(layer_idx) == key:
+            return
+        self._shortfall_checked[layer_idx] = key
+        short = float(stats["budget_shortfall"])
+        if short <= SHORTFALL_WARN:
+            return
+        self._shortfall_warned = True
+        capped = float(stats.get("budget_cap_withheld", torch.zeros(())))
+        causes = []
+        if capped > 0.005:
+            causes.append(
+                f"modality caps withheld {capped:.2f}: raise budget.text_cap / vision_cap / "
+                f"audio_cap (at most {MAX_RATE}) or lower target_rate"
+            )
+        if short - capped > 0.005:
+            causes.append(
+                f"{short - capped:.2f} could not be removed: protected alignment tokens without "
+                "a neighbour to merge into, or the last token of a modality"
+            )
+        warnings.warn(
+            f"{type(self).__name__}: layer {layer_idx} was asked to remove "
+            f"{float(stats['rate_target']):.2f} of the context tokens but removed "
+            f"{float(stats['rate_realized']):.2f} (shortfall {short:.2f}; {'; '.join(causes)}). "
+            "Reported as rate_realized and budget_shortfall; warned once per compressor.",
+            RateShortfallWarning,
+            stacklevel=2,
+        )
 
     def __call__(self, inp: CompressionInput) -> KVSegment:
         return self.run(inp).segment  # type: ignore[return-value]
@@ -185,6 +269,15 @@ class UniCacheCompressor(ComposedCompressor):
 
     def __repr__(self) -> str:
         return f"UniCacheCompressor({self.config!r})"
+
+
+def _check_number(name: str, value: float, lo: float, hi: float) -> None:
+    """A ComposedCompressor argument must be a finite number in ``[lo, hi]``."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not ok or not (lo <= value <= hi):
+        raise ValueError(
+            f"ComposedCompressor.{name}={value!r} is out of range; allowed [{lo}, {hi}]"
+        )
 
 
 @dataclass
@@ -239,10 +332,20 @@ def segment_stats(state: CompressionState, cache_dtype_bytes: int = 2) -> dict[s
     stats["protected_fraction"] = (
         (prot & ctx).sum() / n_ctx if prot is not None else (torch.zeros((), dtype=torch.float64))
     )
-    rate = state.layer_rate if state.layer_rate is not None else state.target
-    stats["rate_target"] = rate.double().mean()
-    if state.plan is not None:
-        stats["budget_shortfall"] = state.plan.shortfall.sum() / n_ctx
+    rate = (state.layer_rate if state.layer_rate is not None else state.target).double()  # [B]
+    stats["rate_target"] = rate.mean()
+    n_b = ctx.sum(1).double()  # [B] context tokens per sample
+    removed = n_b - valid.sum(1).double()  # [B] merged or evicted
+    stats["rate_realized"] = removed.sum() / n_ctx
+    # Against the REQUESTED rate: what caps, protection and the never-empty rule withheld.
+    asked = torch.floor(rate * n_b + 0.5)  # [B] tokens, rounded as the plan rounds its quotas
+    stats["budget_shortfall"] = (asked - removed).clamp_min(0.0).sum() / n_ctx
+    if state.modality_rates is not None:
+        per_mod = torch.stack(
+            [(ctx & (inp.modality_ids == m)).sum(1) for m in range(len(MODALITY_NAMES))], 1
+        ).double()  # [B, 3]
+        budget = torch.floor((state.modality_rates.double() * per_mod).sum(1) + 0.5)  # [B]
+        stats["budget_cap_withheld"] = (asked - budget).clamp_min(0.0).sum() / n_ctx
     if state.complexity is not None:
         stats["complexity"] = state.complexity.double().mean()
     dev = inp.keys.device

@@ -132,6 +132,18 @@ def resolve_data_files(source: str | Sequence[str]) -> tuple[str, list[str]]:
     return next(iter(loaders)), files
 
 
+def _is_blank(path: str, max_read: int = 1 << 20) -> bool:
+    """True when the file is empty or holds only whitespace (files over ``max_read`` bytes are
+    taken as non-blank without reading them)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return True
+    if size > max_read:
+        return False
+    with open(path, "rb") as fh:
+        return not fh.read().strip()
+
+
 def load_documents(cfg: DataConfig, cache_dir: str | None = None) -> datasets.Dataset:
     """The documents of ``cfg.source`` as a dataset with a ``text`` column.
 
@@ -150,6 +162,11 @@ def load_documents(cfg: DataConfig, cache_dir: str | None = None) -> datasets.Da
         ds = synthetic_corpus(cfg.synthetic)
     else:
         loader, files = resolve_data_files(cfg.source)
+        for f in files:
+            if _is_blank(f):
+                # NOTE: checked here: `datasets` fails on an empty JSON file with a bare
+                # StopIteration deep inside its builder.
+                raise ConfigError(f"DataConfig.source: {f!r} has no records (the file is empty)")
         kwargs: dict[str, Any] = {}
         if loader == "text":
             kwargs["sample_by"] = cfg.text_sample_by
@@ -426,7 +443,10 @@ class LMDataModule(L.LightningDataModule):
                 )
         n = len(docs)
         if n == 0:
-            raise ValueError(f"DataConfig.source={cfg.source!r} holds no non-empty text")
+            raise ConfigError(
+                f"DataConfig.source={cfg.source!r} has no records: no non-empty text in its "
+                f"{cfg.text_field!r} field"
+            )
         # Document-level split: no document is shared by train and val, even when packed.
         n_val = round(n * cfg.val_fraction)
         if cfg.val_fraction > 0:
@@ -437,9 +457,10 @@ class LMDataModule(L.LightningDataModule):
         self.train_dataset = self._build(train_docs, "train")
         self.val_dataset = self._build(val_docs, "val")
         if len(self.train_dataset) == 0:
-            raise ValueError(
-                f"no training example: {self.stats['train_tokens']} train tokens cannot fill one "
-                f"block of seq_len + 1 = {cfg.seq_len + 1}"
+            raise ConfigError(
+                f"DataConfig.source={cfg.source!r} gives no training example: "
+                f"{self.stats['train_tokens']} train tokens cannot fill one block of "
+                f"DataConfig.seq_len + 1 = {cfg.seq_len + 1}; lower seq_len or add data"
             )
         if cfg.val_fraction > 0 and len(self.val_dataset) == 0:
             warnings.warn(

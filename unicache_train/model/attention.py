@@ -25,6 +25,8 @@ Three ways through :meth:`Attention.forward`:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,23 @@ from unicache_train.config import ModelConfig
 from unicache_train.model.kv_cache import KVCache
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import apply_rope
+
+
+class QKV(NamedTuple):
+    """One attention layer's projections of its input, as attention uses them.
+
+    Attributes:
+        q: [B, H, T, D] queries (``q_norm`` when the model has it, then RoPE).
+        k: [B, Hk, T, D] keys (``k_norm`` when the model has it, then RoPE): what a cache stores.
+        v: [B, Hk, T, D] values.
+        k_pre_rope: [B, Hk, T, D] keys after ``k_norm``, before RoPE (what a ``pre_rope``
+            compressor reads).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_pre_rope: torch.Tensor
 
 
 class Attention(nn.Module):
@@ -82,15 +101,7 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, D)  # [B, T, H, D]
-        k = self.k_proj(x).view(B, T, Hk, D)  # [B, T, Hk, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.transpose(1, 2)  # [B, H, T, D]
-        k = k.transpose(1, 2)  # [B, Hk, T, D]
-        v = self.v_proj(x).view(B, T, Hk, D).transpose(1, 2)  # [B, Hk, T, D]
-        cos, sin = rope
-        q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q_rot, k_rot, v, k = self.project(x, rope)
 
         if split is not None and compressor is not None:
             segment = self._compress_context(q_rot, k, k_rot, v, positions, modality_ids, split,
@@ -119,6 +130,31 @@ class Attention(nn.Module):
                                                  enable_gqa=Hk != H)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
         return self.o_proj(out)
+
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> QKV:
+        """The queries, keys and values this layer attends with (the one place they are
+        computed: the forward and every analysis, e.g. attention KL, call this).
+
+        Args:
+            x: [B, T, C] normalised hidden states (the block's ``input_layernorm`` output).
+            rope: (cos, sin), each [B, T, D], for the tokens' positions.
+
+        Returns:
+            :class:`QKV`: q [B, H, T, D], k [B, Hk, T, D] (post-RoPE), v [B, Hk, T, D],
+            k_pre_rope [B, Hk, T, D].
+        """
+        B, T, _ = x.shape
+        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, D)  # [B, T, H, D]
+        k = self.k_proj(x).view(B, T, Hk, D)  # [B, T, Hk, D]
+        if self.q_norm is not None:
+            # Qwen3: per-head RMSNorm over D, before RoPE.
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(1, 2)  # [B, H, T, D]
+        k = k.transpose(1, 2)  # [B, Hk, T, D]
+        v = self.v_proj(x).view(B, T, Hk, D).transpose(1, 2)  # [B, Hk, T, D]
+        cos, sin = rope
+        return QKV(q=apply_rope(q, cos, sin), k=apply_rope(k, cos, sin), v=v, k_pre_rope=k)
 
     # ------------------------------------------------------------------- the compression seam
     def _compress_context(
@@ -324,6 +360,7 @@ def kv_bytes_per_token(config: ModelConfig, bytes_per_element: int = 2) -> int:
 
 __all__ = [
     "Attention",
+    "QKV",
     "attend_segment_per_sample",
     "kv_bytes_per_token",
     "segment_attention_mask",

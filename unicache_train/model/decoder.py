@@ -16,6 +16,7 @@ back into the streams (see :mod:`unicache_train.model.mhc`). Embeddings enter as
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -156,6 +157,9 @@ class Decoder(nn.Module):
             raise ValueError("split and compressor go together: pass both or neither")
         if split is not None and cache is not None:
             raise ValueError("the in-loop compression forward does not use a decoding cache")
+        if split is not None:
+            ref = input_ids if inputs_embeds is None else inputs_embeds
+            check_split(split, ref.shape[0], ref.shape[1])
         cross = find_cross_layer(compressor) if compressor is not None else None
         if cross is not None and not cross.prepared:
             # NOTE: a cross-layer compressor (xKV) needs every layer's context K/V before the
@@ -215,10 +219,21 @@ class Decoder(nn.Module):
         Returns:
             [B, T + max_new_tokens] (or shorter when every sequence finished).
         """
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature} must be >= 0")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
+            max_new_tokens < 0
+        ):
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens!r} is out of range; allowed an integer in "
+                "[0, inf)"
+            )
+        if not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature={temperature!r} is out of range; allowed [0, inf)")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or (
+            top_k < 1
+        )):
+            raise ValueError(
+                f"top_k={top_k!r} is out of range; allowed None or an integer in [1, inf)"
+            )
         cache = new_kv_cache(self.config)  # latent cache for MLA, K/V cache for GQA
         logits = self(input_ids, cache=cache).logits[:, -1]  # [B, V]
         out = input_ids
@@ -233,6 +248,34 @@ class Decoder(nn.Module):
                 break
             logits = self(nxt[:, None], cache=cache).logits[:, -1]
         return out
+
+
+def check_split(split: torch.Tensor, B: int, T: int) -> None:
+    """Refuse a ``split`` the in-loop forward cannot mean: it must be an integer tensor [B] with
+    every entry in ``[0, T]`` (``T``: the whole sequence is context).
+
+    Raises:
+        ValueError: naming the value and the allowed shape, dtype or range.
+    """
+    if not isinstance(split, torch.Tensor):
+        raise ValueError(
+            f"split={split!r}: expected an integer tensor of shape [B] = [{B}], got "
+            f"{type(split).__name__}"
+        )
+    if split.dtype.is_floating_point or split.dtype.is_complex or split.dtype == torch.bool:
+        raise ValueError(
+            f"split has dtype {split.dtype}: expected an integer tensor of shape [B] = [{B}] "
+            "(the index of each sample's first continuation token)"
+        )
+    if tuple(split.shape) != (B,):
+        raise ValueError(f"split has shape {tuple(split.shape)}: expected [B] = [{B}]")
+    if B == 0:
+        return
+    lo, hi = torch.stack([split.min(), split.max()]).tolist()  # NOTE: one device sync
+    if lo < 0 or hi > T:
+        raise ValueError(
+            f"split={split.tolist()} is out of range; allowed [0, T] = [0, {T}] per sample"
+        )
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,

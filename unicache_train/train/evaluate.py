@@ -27,7 +27,11 @@ quality checks, §8 targets):
 * **KV bytes ratio**: bytes of the real compressed cache (packed int8/int4 + scales + merge
   counts / head maps) over the uncompressed 16-bit cache of the same prompts, all layers.
 * **quality checks** (DESIGN §6): ``kl_ok`` (attn KL < 0.1), ``ppl_ok`` (perplexity at most +5%),
-  ``acc_ok`` (recall accuracy at most 5 points lower), ``pass`` (all three).
+  ``acc_ok`` (recall accuracy at most 5 points lower), ``pass`` (all three). A check that
+  cannot measure anything reads n/a (``None``): ``acc_ok`` when the uncompressed model recalls
+  nothing, ``kl_ok`` without attention KL; ``pass`` is then n/a unless another check failed.
+* **realized rate** (``rate_realized``): the fraction of context tokens really removed, next to
+  the requested ``rate``, and their gap ``budget_shortfall`` (modality caps, protection).
 
 Besides UniCache at each rate, ``xkv_ratios`` adds xKV rows (cross-layer SVD, rank chosen so the
 stored factors take ``1 / ratio`` of the 16-bit cache) and, with ``match_unicache``, a UniCache
@@ -84,10 +88,14 @@ QUALITY_ATTN_KL_MAX = 0.1
 QUALITY_PPL_INCREASE_MAX = 0.05
 QUALITY_ACC_DROP_MAX = 0.05
 
+#: ``rate``: the requested target rate; ``rate_realized``: the fraction of context tokens really
+#: removed (``1 - keep_ratio``, mean over layers); ``budget_shortfall``: ``rate - rate_realized``
+#: when positive (what modality caps, protection or the layer schedule withheld). The checks
+#: read ``True``, ``False`` or ``None`` (n/a: not measurable, written ``n/a``).
 CSV_COLUMNS = (
-    "label", "rate", "bits", "ppl", "ppl_uncompressed", "ppl_delta", "recall_acc",
-    "recall_acc_uncompressed", "recall_acc_delta", "attn_kl", "output_kl", "kv_bytes_ratio",
-    "keep_ratio", "kl_ok", "ppl_ok", "acc_ok", "pass", "method",
+    "label", "rate", "rate_realized", "budget_shortfall", "bits", "ppl", "ppl_uncompressed",
+    "ppl_delta", "recall_acc", "recall_acc_uncompressed", "recall_acc_delta", "attn_kl",
+    "output_kl", "kv_bytes_ratio", "keep_ratio", "kl_ok", "ppl_ok", "acc_ok", "pass", "method",
 )  # fmt: skip
 
 
@@ -267,14 +275,10 @@ class _SegmentCapture:
 
 
 def _qk(attn, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_rot [B, H, T, D], k_rot [B, Hk, T, D] as the attention module computes them."""
-    from unicache_train.model.rope import apply_rope
-
-    B, T, _ = x.shape
-    q = attn.q_proj(x).view(B, T, attn.num_heads, attn.head_dim).transpose(1, 2)
-    k = attn.k_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    cos, sin = rope
-    return apply_rope(q, cos, sin).float(), apply_rope(k, cos, sin).float()
+    """q_rot [B, H, T, D], k_rot [B, Hk, T, D] in fp32, from the attention module itself
+    (:meth:`~unicache_train.model.attention.Attention.project`: q/k norms and RoPE included)."""
+    qkv = attn.project(x, rope)
+    return qkv.q.float(), qkv.k.float()
 
 
 def _attn_kl_layer(
@@ -695,18 +699,39 @@ def _row(
     kv_ratio: float,
     keep_ratio: float,
 ) -> dict[str, Any]:
+    """One table row with its quality checks (True, False, or None = n/a).
+
+    A check reads n/a when it cannot measure anything: ``kl_ok`` without an attention KL (MLA),
+    ``acc_ok`` without recall or when the uncompressed model recalls nothing (accuracy 0: no
+    drop can show, so "at most 5 points lower" would pass whatever compression does). ``pass``
+    is ``False`` if any check fails, else n/a if any is n/a, else ``True``.
+    """
     ppl_delta = ppl / ppl_plain - 1.0
     acc_delta = acc - acc_plain
-    kl_ok = bool(attn_kl < QUALITY_ATTN_KL_MAX) if not math.isnan(attn_kl) else False
+    kl_ok = None if math.isnan(attn_kl) else bool(attn_kl < QUALITY_ATTN_KL_MAX)
     ppl_ok = bool(ppl_delta <= QUALITY_PPL_INCREASE_MAX)
-    acc_ok = bool(acc_delta >= -QUALITY_ACC_DROP_MAX) if not math.isnan(acc_delta) else False
+    acc_ok = (
+        None
+        if math.isnan(acc_delta) or acc_plain == 0
+        else bool(acc_delta >= -QUALITY_ACC_DROP_MAX)
+    )
+    checks = (kl_ok, ppl_ok, acc_ok)
+    passed = False if False in checks else (None if None in checks else True)
+    realized = 1.0 - keep_ratio
+    shortfall = max(rate - realized, 0.0) if not math.isnan(rate) else math.nan
     return {
-        "label": label, "rate": rate, "bits": bits if bits else "", "ppl": ppl,
+        "label": label, "rate": rate, "rate_realized": realized, "budget_shortfall": shortfall,
+        "bits": bits if bits else "", "ppl": ppl,
         "ppl_uncompressed": ppl_plain, "ppl_delta": ppl_delta, "recall_acc": acc,
         "recall_acc_uncompressed": acc_plain, "recall_acc_delta": acc_delta, "attn_kl": attn_kl,
         "output_kl": output_kl, "kv_bytes_ratio": kv_ratio, "keep_ratio": keep_ratio,
-        "kl_ok": kl_ok, "ppl_ok": ppl_ok, "acc_ok": acc_ok, "pass": kl_ok and ppl_ok and acc_ok,
+        "kl_ok": kl_ok, "ppl_ok": ppl_ok, "acc_ok": acc_ok, "pass": passed,
     }  # fmt: skip
+
+
+def _check_value(check: bool | None) -> float:
+    """A check as a logged number: 1 pass, 0 fail, NaN n/a."""
+    return math.nan if check is None else float(check)
 
 
 # --------------------------------------------------------------------------------- outputs
@@ -723,7 +748,9 @@ def log_rows(rows: Sequence[dict[str, Any]], logger: Any) -> None:
             "compress/output_kl": row["output_kl"],
             "compress/kv_bytes_ratio": row["kv_bytes_ratio"],
             "compress/keep_ratio": row["keep_ratio"],
-            "compress/pass": float(row["pass"]),
+            "compress/rate_realized": row["rate_realized"],
+            "compress/budget_shortfall": row["budget_shortfall"],
+            "compress/pass": _check_value(row["pass"]),
         }
         logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
     if hasattr(logger, "save"):
@@ -731,6 +758,8 @@ def log_rows(rows: Sequence[dict[str, Any]], logger: Any) -> None:
 
 
 def _fmt(value: Any) -> str:
+    if value is None:  # a check that could not be measured
+        return "n/a"
     if isinstance(value, bool):
         return "PASS" if value else "fail"
     if isinstance(value, float):
@@ -744,6 +773,9 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None =
         columns
         or (
             "label",
+            "rate",
+            "rate_realized",
+            "budget_shortfall",
             "ppl",
             "ppl_delta",
             "recall_acc",
@@ -777,7 +809,7 @@ def write_outputs(
         writer = csv.DictWriter(fh, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
         writer.writeheader()
         for r in rows:
-            writer.writerow(r)
+            writer.writerow({k: "n/a" if v is None else v for k, v in r.items()})
     _plot(rows, png_path)
     return csv_path, png_path
 

@@ -8,7 +8,9 @@ storage dequantized on the fly). Accuracy is the exact match of the decoded answ
 reference (:func:`~unicache_train.data.synthetic.normalize_answer` on both), per task type.
 The uncompressed reference decodes the same way with the identity compressor.
 
-Reported per row (model, variant, rate): accuracy per task and overall, the realized keep ratio
+Reported per row (model, variant, rate): the realized rate next to the requested one
+(``rate_realized``, context tokens removed, and ``budget_shortfall``, their gap when modality caps
+or protection withhold removal), accuracy per task and overall, the realized keep ratio
 per modality (entries kept / context tokens, mean over layers and prompts) and overall, the
 fraction of context tokens protected as alignment tokens, and the KV bytes ratio (stored bytes of
 the compressed cache, payload + scales + merge counts / head maps, over the 16-bit uncompressed
@@ -320,15 +322,19 @@ def answer_accuracy(
     if isinstance(compressor, IdentityCompressor):
         out["keep_ratio"] = out["keep_ratio/text"] = out["keep_ratio/vision"] = 1.0
         out["protected_fraction"] = 0.0
+    out["rate_realized"] = 1.0 - out["keep_ratio"]  # context tokens removed, mean over layers
     out["kv_bytes_ratio"] = kv / max(base, 1)
     out["predictions"] = preds
     return out
 
 
 # ----------------------------------------------------------------------------- the sweep
+#: ``rate``: the requested target rate; ``rate_realized``: context tokens really removed (mean
+#: over layers); ``budget_shortfall``: ``rate - rate_realized`` when positive (caps, protection).
 VLM_CSV_COLUMNS = (
-    "model", "variant", "rate", "acc", *(f"acc/{t}" for t in TASKS), "keep_ratio",
-    "keep_ratio/text", "keep_ratio/vision", "protected_fraction", "kv_bytes_ratio", "n",
+    "model", "variant", "rate", "rate_realized", "budget_shortfall", "acc",
+    *(f"acc/{t}" for t in TASKS), "keep_ratio", "keep_ratio/text", "keep_ratio/vision",
+    "protected_fraction", "kv_bytes_ratio", "n",
 )  # fmt: skip
 
 
@@ -390,7 +396,10 @@ def evaluate_vlm(
     ):
         comp = IdentityCompressor() if cfg is None else UniCacheCompressor(cfg)
         res = answer_accuracy(model, tokenizer, batches, comp, embeds)
+        realized = res["rate_realized"]
+        shortfall = math.nan if math.isnan(rate) else max(rate - realized, 0.0)
         rows.append({"model": model_label, "variant": variant, "rate": rate,
+                     "budget_shortfall": shortfall,
                      **{k: v for k, v in res.items() if k != "predictions"}})  # fmt: skip
     return rows
 
