@@ -82,7 +82,7 @@ def run(mode: str, preset: str, args) -> list[dict[str, float]]:
         num_attention_heads=2,
         num_key_value_heads=1,
         residual_mode=mode,
-        hc_mult=args.n,
+        hc_mult=args.n if mode != "residual" else 1,  # a plain residual has one stream
         hc_preset=preset,
     )
     model = Decoder(cfg)

@@ -30,6 +30,7 @@ from unicache_train.config import (
     TrainConfig,
     _build,
     apply_overrides,
+    load_yaml,
 )
 from unicache_train.data.multimodal import MultimodalDataConfig, MultimodalDataModule
 from unicache_train.data.scenes import TASKS
@@ -111,7 +112,7 @@ class VLMRunConfig:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}  # 1e-4 is a number (YAML 1.2 floats)
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
         apply_overrides(data, overrides or [])
