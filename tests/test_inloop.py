@@ -2,6 +2,7 @@
 on a real compressed cache, the loss, gradients, KL, curriculum, splits, config, and a tiny fit."""
 
 import csv
+import math
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,117 @@ def twin_kv_heads(model: Decoder) -> None:
             a.v_proj.weight[D : 2 * D] = a.v_proj.weight[:D]
 
 
+# ------------------------------------------------------------------ an independent reference
+def _stored_kv(seg, b: int, Hk: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``b``'s stored segment as per-KV-head float64 keys/values [Hk, M, D], read from the
+    cache's storage by hand: int8 as is, int4 unpacked (two's complement nibbles, low first),
+    times the stored scale; head-merged groups spread through ``head_map``."""
+
+    def unpack(data: torch.Tensor, bits: int) -> torch.Tensor:  # [G, M, W] -> [G, M, D]
+        if bits == 8:
+            return data.double()
+        lo, hi = (data & 0x0F).long(), (data >> 4).long()
+        nib = torch.stack([lo, hi], -1).flatten(-2)[..., :D]
+        return torch.where(nib > 7, nib - 16, nib).double()
+
+    if seg.quant is None:
+        k, v = seg.keys[b].double(), seg.values[b].double()  # [G, M, D]
+    else:
+        q = seg.quant
+        ks, vs = q.k_scale[b].double(), q.v_scale[b].double()  # [G, M] or [G]
+        if q.granularity == "head":
+            ks, vs = ks[:, None].expand(-1, q.k_data.shape[2]), vs[:, None].expand(
+                -1, q.v_data.shape[2])
+        k = unpack(q.k_data[b], q.bits) * ks[..., None]
+        v = unpack(q.v_data[b], q.bits) * vs[..., None]
+    slot = seg.head_map[b]  # [Hk] stored copy of each KV head
+    return k[slot], v[slot]
+
+
+def handwritten_logits(
+    model: Decoder, ids: torch.Tensor, split: torch.Tensor, cache
+) -> torch.Tensor:
+    """Logits of positions ``split[b] - 1 .. T - 1`` computed by hand, layer by layer, with the
+    model's own weights, in float64, over the **stored compressed cache** (NaN elsewhere).
+
+    Position ``s - 1`` is the last prompt token: plain causal attention over the raw context
+    (the prefill). A continuation token at ``t >= s`` attends to the layer's stored entries
+    (``valid`` ones, ``+ log(count)``; keys stored post-RoPE at their original positions) and
+    causally to the continuation's own keys. Shares no code with the model's forward, the
+    seam, the compressor or the cache's ``kv()``/``attention_bias``.
+    """
+    cfg = model.config
+    H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size
+    eps = cfg.rms_norm_eps
+    rep = H // Hk
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+
+    def rms(x, w):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
+
+    def lin(x, layer):
+        return x @ layer.weight.double().T + (layer.bias.double() if layer.bias is not None else 0)
+
+    def rope(x, pos):  # x [N, L, D], pos [L]
+        ang = pos.double()[:, None] * inv_freq[None, :]  # [L, D/2]
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def attend(q, k, v, bias):  # q [H, L, D]; k, v [Hk, S, D]; bias [L, S] (-inf = masked)
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D) + bias, -1)
+        return w @ v  # [H, L, D]
+
+    def run(tokens, pos, layer_prefix):
+        """tokens [L] at positions pos [L]; layer_prefix(i) -> (k [Hk, M, D], v, bias [M]) or
+        None. Returns the final hidden states [L, C]."""
+        h = model.embed_tokens.weight.double()[tokens]  # [L, C]
+        L = len(tokens)
+        causal = torch.full((L, L), -math.inf, dtype=torch.float64).triu(1)
+        for i, block in enumerate(model.layers):
+            a = block.self_attn
+            x = rms(h, block.input_layernorm.weight)
+            q = lin(x, a.q_proj).view(L, H, D).transpose(0, 1)  # [H, L, D]
+            k = lin(x, a.k_proj).view(L, Hk, D).transpose(0, 1)
+            v = lin(x, a.v_proj).view(L, Hk, D).transpose(0, 1)
+            if a.q_norm is not None:
+                q, k = rms(q, a.q_norm.weight), rms(k, a.k_norm.weight)
+            q, k = rope(q, pos), rope(k, pos)
+            prefix = layer_prefix(i)
+            if prefix is None:
+                o = attend(q, k, v, causal)
+            else:
+                pk, pv, pb = prefix
+                bias = torch.cat([pb[None, :].expand(L, -1), causal], -1)
+                o = attend(q, torch.cat([pk, k], 1), torch.cat([pv, v], 1), bias)
+            h = h + lin(o.transpose(0, 1).reshape(L, H * D), a.o_proj)
+            x = rms(h, block.post_attention_layernorm.weight)
+            m = block.mlp
+            h = h + lin(torch.nn.functional.silu(lin(x, m.gate_proj)) * lin(x, m.up_proj),
+                        m.down_proj)  # fmt: skip
+        return rms(h, model.norm.weight) @ model.lm_head.weight.double().T  # [L, V]
+
+    B, T = ids.shape
+    out = torch.full((B, T, cfg.vocab_size), math.nan, dtype=torch.float64)
+    for b in range(B):
+        s = int(split[b])
+        out[b, s - 1] = run(ids[b, :s], torch.arange(s), lambda i: None)[-1]
+
+        def stored(i, b=b, s=s):
+            seg = cache.segments[i]
+            k, v = _stored_kv(seg, b, Hk, D)
+            valid = seg.valid[b]
+            assert int(seg.context_tokens[b]) == s and bool((seg.positions is None) or (
+                seg.positions[b][valid] < s).all())
+            bias = torch.where(valid, seg.counts[b].double().clamp_min(1).log(), -math.inf)
+            return k, v, bias
+
+        if s < T:
+            out[b, s:] = run(ids[b, s:], torch.arange(s, T), stored)
+    return out
+
+
 # ------------------------------------------------------------------ in-loop == step by step
 CASES = {
     "identity": (lambda: IdentityCompressor(), False),
@@ -97,6 +209,11 @@ def test_inloop_forward_equals_prefill_compress_decode(case: str) -> None:
     assert torch.isnan(got[~cont]).all() and not torch.isnan(got[cont]).any()
     # fp32, the same math over a different key layout (padding slots, SDPA blocking): ~4e-7 seen.
     torch.testing.assert_close(got[cont], ref.logits[cont], atol=1e-5, rtol=1e-5)
+    # Independent of the seam: attention written out by hand (float64) over what the cache
+    # stores. 1e-5: the model runs in fp32 (logits ~0.1, round-off ~1e-7 relative per op).
+    hand = handwritten_logits(model, ids, split, cache)
+    assert not torch.isnan(hand[cont]).any() and torch.isnan(hand[~cont]).all()
+    torch.testing.assert_close(ref.logits[cont].double(), hand[cont], atol=1e-5, rtol=1e-5)
     if case == "identity":
         return
     # The cache holds what the compressor accounted for: packed bytes + scales, one copy per
