@@ -65,6 +65,7 @@ def test_short_recall_prompts_are_answerable_uncompressed(smollm2):
     assert r.bytes_reduction == pytest.approx(1.0)
 
 
+@pytest.mark.slow  # dequantizes the 98 MB GGUF again (about a minute)
 @torch.no_grad()
 def test_import_hf_reads_the_gguf_file_itself(smollm2):
     from unicache_train.checkpoint.gguf import gguf_path
