@@ -79,25 +79,12 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------ compressors
-def unicache_config(rate: float, pool: int):
-    """Text-style UniCache (no modality budget caps: the text is one modality) + int8."""
-    from unicache_train.compress.config import UniCacheConfig
-    from unicache_train.compress.presets import text_style_baseline
-
-    d = text_style_baseline().to_dict()
-    d["target_rate"] = float(rate)
-    d["rate_scale"] = 1.0
-    d["quantize"] = {**d["quantize"], "enabled": True, "bits": 8}
-    d["importance"] = {**d["importance"], "pool": int(pool)}
-    return UniCacheConfig.from_dict(d)
-
-
 def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
     from unicache_train.compress import UniCacheCompressor
     from unicache_train.compress.base import IdentityCompressor
     from unicache_train.compress.config import XKVConfig
     from unicache_train.compress.xkv import XKVCompressor
-    from unicache_train.eval.budget import measured_reduction, rate_for_reduction
+    from unicache_train.eval.budget import measured_reduction, rate_for_reduction, text_unicache
 
     out = [Setting("none", 1.0, 0.0, IdentityCompressor)]
     for red in study["reductions"]:
@@ -106,7 +93,7 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
                 pool = int(study["span_pool"]) if method == "unicache_span" else 0
 
                 def make(rate, pool=pool):
-                    return UniCacheCompressor(unicache_config(rate, pool))
+                    return UniCacheCompressor(text_unicache(rate, pool))
 
                 rate, got = rate_for_reduction(model, calib_ids, calib_split, make, float(red))
                 out.append(Setting(method, red, rate, lambda r=rate, m=make: m(r), got))
@@ -257,6 +244,7 @@ def main(argv: list[str] | None = None) -> StudyResult:
     from unicache_train.data.recall_mix import EVAL_SEED_FLOOR
     from unicache_train.data.tokenizer import load_tokenizer
     from unicache_train.eval import RecallTask
+    from unicache_train.eval.budget import text_unicache
     from unicache_train.eval.text import reference_documents, text_blocks
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -299,7 +287,7 @@ def main(argv: list[str] | None = None) -> StudyResult:
     ft_cfg = None
     for s in settings:
         if s.method == study["finetune_method"] and s.target == study["finetune_reduction"]:
-            ft_cfg = unicache_config(s.rate, int(study["span_pool"]) if "span" in s.method else 0)
+            ft_cfg = text_unicache(s.rate, int(study["span_pool"]) if "span" in s.method else 0)
     for kind in study["finetune"]:
         if kind not in ("compress", "control"):
             raise ConfigError(f"study.finetune: {kind!r} is not known; allowed compress, control")

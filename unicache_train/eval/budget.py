@@ -11,7 +11,26 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["measured_reduction", "rate_for_reduction"]
+__all__ = ["measured_reduction", "rate_for_reduction", "text_unicache"]
+
+
+def text_unicache(rate: float, pool: int = 0, bits: int | None = 8):
+    """UniCache for text-only contexts at removal ``rate``: the text-style preset (no
+    modality budgets, so no per-modality cap stops the rate), ``bits`` quantization, span
+    pooling of the scores over ``pool`` tokens (0: none).
+
+    Returns:
+        A :class:`~unicache_train.compress.config.UniCacheConfig`.
+    """
+    from unicache_train.compress.config import UniCacheConfig
+    from unicache_train.compress.presets import text_style_baseline
+
+    d = text_style_baseline().to_dict()
+    d["target_rate"] = float(rate)
+    d["rate_scale"] = 1.0
+    d["quantize"] = {**d["quantize"], "enabled": bits is not None, "bits": bits}
+    d["importance"] = {**d["importance"], "pool": int(pool)}
+    return UniCacheConfig.from_dict(d)
 
 
 @torch.no_grad()
