@@ -186,3 +186,15 @@ def test_training_mix_marks_question_and_answer_and_refuses_eval_seeds(tmp_path)
         assert r["text"][r["split_char"] :].strip().isdigit()
     with pytest.raises(ValueError, match="seed=1000000 is out of range"):
         write_recall_mix(tmp_path / "x.jsonl", [RecallTask()], 1, seed=EVAL_SEED_FLOOR)
+
+
+@torch.no_grad()
+def test_recall_decodes_on_an_xkv_cache_and_reports_its_bytes():
+    from unicache_train.compress.config import XKVConfig
+    from unicache_train.compress.xkv import XKVCompressor
+
+    model, tok = byte_model(), ByteTokenizer()
+    recs = recall_records(RecallTask(pairs=4, value_digits=2), 3, 1_000_011)
+    xkv = XKVCompressor(XKVConfig(rank_mode="ratio", ratio=4.0, group_size=2))
+    r = run_recall(model, tok, recs, xkv, batch_size=3)
+    assert r.n == 3 and 3.0 < r.bytes_reduction <= 4.5
