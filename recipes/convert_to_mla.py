@@ -17,12 +17,19 @@ Rows of the printed table (validation perplexity, ``convert.eval_batches`` batch
 * ``mla svd``: converted, before healing; ``mla svd + heal``: after ``convert.heal_steps``;
 * ``mla random`` / ``mla random + heal`` (``convert.random_baseline``): fresh MLA attention
   weights, every other weight kept: what the SVD init is worth.
+
+Writes ``<convert.out_dir>/results.json`` (everything, with the per-layer conversion report) and
+``<convert.out_dir>/convert_to_mla.csv`` (the table, led by the command line).
 """
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
+import os
+import platform
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -133,7 +140,9 @@ def train_steps(
 
 
 # ---------------------------------------------------------------------------- the recipe
-def main(cfg: RecipeConfig) -> dict[str, Any]:
+def main(cfg: RecipeConfig, command: str | None = None) -> dict[str, Any]:
+    """Run the recipe; writes ``results.json`` and ``convert_to_mla.csv`` (led by ``command``,
+    the command line that ran it) to ``convert.out_dir``."""
     from unicache_train.data.datamodule import LMDataModule
 
     cc, run = cfg.convert, cfg.run
@@ -229,8 +238,41 @@ def main(cfg: RecipeConfig) -> dict[str, Any]:
         "wall_seconds": time.time() - t0,
     }
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_csv(out / "convert_to_mla.csv", result, command or "python recipes/convert_to_mla.py")
     _print_table(result)
     return result
+
+
+def csv_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per evaluated model: KV elements per token per layer, perplexity, and its change
+    vs the source and vs the fair reference (the source fine-tuned as long, ``source + heal``;
+    NaN without ``convert.control``)."""
+    kv = result["kv_elements_per_token_per_layer"]
+    ppl = result["ppl"]
+    fair = ppl.get("source + heal", float("nan"))
+    return [
+        {
+            "model": name,
+            "kv_elements_per_token_per_layer": kv["gqa" if name.startswith("source") else "mla"],
+            "ppl": value,
+            "vs_source": value / ppl["source"] - 1.0,
+            "vs_fair_reference": value / fair - 1.0,
+            "wall_s_total": f"{result['wall_seconds']:.0f}",
+        }
+        for name, value in ppl.items()
+    ]
+
+
+def write_csv(path: Path, result: dict[str, Any], command: str) -> None:
+    """:func:`csv_rows` as CSV, led by two comment lines: the command, then machine, torch
+    version and wall time (the format of the other results under ``scripts/results/``)."""
+    rows = csv_rows(result)
+    with path.open("w", newline="") as fh:
+        fh.write(f"# {command}\n# {platform.processor() or platform.machine()}, torch "
+                 f"{torch.__version__}, {result['wall_seconds']:.0f}s\n")  # fmt: skip
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def _print_table(result: dict[str, Any]) -> None:
@@ -261,7 +303,10 @@ def cli(argv: list[str]) -> None:
             raise ConfigError("--config needs a YAML path")
         path = Path(args[i + 1])
         del args[i : i + 2]
-    main(RecipeConfig.load(path, args))
+    omp = os.environ.get("OMP_NUM_THREADS")
+    command = ((f"OMP_NUM_THREADS={omp} " if omp else "") + "python recipes/convert_to_mla.py " +
+               shlex.join(argv)).rstrip()  # fmt: skip
+    main(RecipeConfig.load(path, args), command=command)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ Stages (the fine-tune settings and the evaluated compression setting are
    :func:`unicache_train.train.evaluate.evaluate_compression`);
 3. fine-tune from the base weights with compression in the loop (:class:`LMModule`, resumable);
 4. evaluate the fine-tuned model the same way; print and write the before/after table
-   (``<out_dir>/finetune_compress.csv``; per-stage CSV/PNG under ``<out_dir>/eval``).
+   (``<out_dir>/finetune_compress.csv``, led by the command line; per-stage CSV/PNG under
+   ``<out_dir>/eval``).
 
 Arguments: ``--config FILE.yaml`` (fine-tune config), ``--checkpoint PATH``,
 ``recipe.FIELD=VALUE`` (:class:`RecipeOptions`), ``pretrain.SECTION.FIELD=VALUE``, and
@@ -34,6 +35,8 @@ import csv
 import dataclasses
 import math
 import os
+import platform
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -248,6 +251,30 @@ def print_table(rows: list[dict[str, Any]]) -> str:
     return text
 
 
+def command_line(recipe: str, args: list[str]) -> str:
+    """The shell command that runs ``recipes/<recipe>.py`` with ``args`` (``OMP_NUM_THREADS``
+    included when set: it changes the wall times on a shared CPU)."""
+    omp = os.environ.get("OMP_NUM_THREADS")
+    return ((f"OMP_NUM_THREADS={omp} " if omp else "") + f"python recipes/{recipe}.py " +
+            shlex.join(args)).rstrip()  # fmt: skip
+
+
+def write_results_csv(path: Path, rows: list[dict[str, Any]], command: str, seconds: float) -> None:
+    """``rows`` as CSV plus a ``wall_s_total`` column, led by two comment lines (the command,
+    then machine, torch version and wall time) so that a copy under ``scripts/results/`` says how
+    it was made."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        fh.write(f"# {command}\n# {platform.processor() or platform.machine()}, torch "
+                 f"{torch.__version__}, {seconds:.0f}s\n")  # fmt: skip
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]) + ["wall_s_total"])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, "wall_s_total": f"{seconds:.0f}"})
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     """Run the recipe; returns the before/after rows (None on ranks other than 0)."""
     from unicache_train.checkpoint import load_checkpoint
@@ -303,11 +330,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     )
     print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()))
     out = Path(ft.train.out_dir) / "finetune_compress.csv"
-    with out.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]) + ["wall_s_total"])
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({**r, "wall_s_total": f"{times['total']:.0f}"})
+    write_results_csv(out, rows, command_line("finetune_compress", args), times["total"])
     print(f"wrote {out}")
     return rows
 

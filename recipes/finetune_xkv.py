@@ -31,7 +31,6 @@ Arguments: as ``finetune_compress.py`` (``--config``, ``--checkpoint``, ``recipe
 
 from __future__ import annotations
 
-import csv
 import importlib.util
 import os
 import sys
@@ -277,12 +276,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     print("increase: perplexity on continuations vs the base uncompressed")
     print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()))
     out = Path(ft.train.out_dir) / "finetune_xkv.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]) + ["wall_s_total"])
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({**r, "wall_s_total": f"{times['total']:.0f}"})
+    fc.write_results_csv(out, rows, fc.command_line("finetune_xkv", args), times["total"])
     print(f"wrote {out}")
     return rows
 
