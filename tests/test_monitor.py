@@ -129,6 +129,10 @@ def test_wandb_offline_run_records_gain_metrics(tmp_path, monkeypatch):
     assert gains and all(math.isfinite(r["gain/amax_fwd"]) for r in gains)
     assert any("mhc/composite_fwd" in r for r in rows)
     assert any("train/loss" in r for r in rows)
+    # The gain plot is an image: its fields come back under its key, not as bare keys.
+    plots = [r["gain/plot"] for r in rows if "gain/plot" in r]
+    assert len(plots) == 1 and isinstance(plots[0], dict) and "_type" in plots[0]
+    assert not any(k in r for r in rows for k in ("_type", "count", "width"))
 
 
 def test_wandb_disabled_needs_nothing(tmp_path, monkeypatch):
