@@ -200,7 +200,9 @@ def before_after(base: list[dict[str, Any]], tuned: list[dict[str, Any]]) -> lis
     ``checks_s6``: DESIGN §6 quality checks (attention KL < 0.1, perplexity at most +5%, recall
     at most 5 points lower). ``target_kv`` / ``target_ppl`` / ``target_recall``: the §8 target
     (>= 4x fewer KV bytes, perplexity within 3%, recall >= 95% of uncompressed); ``n/a`` where
-    it does not apply (uncompressed rows; recall when the base recalls nothing).
+    it does not apply (uncompressed rows; recall when the base recalls nothing, in ``checks_s6``
+    too unless another check fails). ``rate_realized``: the fraction of context tokens really
+    removed (the requested rate is in the header line).
     """
     ref_ppl, ref_acc = base[0]["ppl"], base[0]["recall_acc"]
     out = []
@@ -214,10 +216,14 @@ def before_after(base: list[dict[str, Any]], tuned: list[dict[str, Any]]) -> lis
         ppl_inc = r["ppl"] / ref_ppl - 1.0
         acc_frac = r["recall_acc"] / ref_acc if ref_acc > 0 else float("nan")
         reduction = 1.0 / r["kv_bytes_ratio"] if r["kv_bytes_ratio"] > 0 else float("nan")
-        s6 = ppl_inc <= 0.05 and r["attn_kl"] < 0.1 and r["recall_acc"] >= ref_acc - 0.05
+        # Recall cannot show a drop when the base recalls nothing: that check is n/a, not a pass.
+        recall_ok = None if not ref_acc > 0 else r["recall_acc"] >= ref_acc - 0.05
+        checks = (ppl_inc <= 0.05, r["attn_kl"] < 0.1, recall_ok)
+        s6 = False if False in checks else (None if None in checks else True)
 
         out.append({
-            "model": label, "ppl": r["ppl"], "ppl_increase": ppl_inc,
+            "model": label, "rate_realized": r.get("rate_realized", float("nan")),
+            "ppl": r["ppl"], "ppl_increase": ppl_inc,
             "recall_acc": r["recall_acc"], "acc_vs_uncompressed": acc_frac,
             "kv_bytes_ratio": r["kv_bytes_ratio"], "kv_reduction": reduction,
             "attn_kl": r["attn_kl"], "output_kl": r["output_kl"],
@@ -229,8 +235,9 @@ def before_after(base: list[dict[str, Any]], tuned: list[dict[str, Any]]) -> lis
     return out
 
 
-def _verdict(ok: bool, applies: bool) -> str:
-    return ("PASS" if ok else "fail") if applies else "n/a"
+def _verdict(ok: bool | None, applies: bool) -> str:
+    """PASS / fail; n/a where the target does not apply or ``ok`` is None (not measurable)."""
+    return ("PASS" if ok else "fail") if applies and ok is not None else "n/a"
 
 
 def _fmt(v: Any) -> str:

@@ -434,3 +434,28 @@ def test_vlm_table_shows_the_realized_rate() -> None:
     assert uc["budget_shortfall"] == pytest.approx(0.9 - uc["rate_realized"])
     header = format_vlm_table(rows).splitlines()[0].split()
     assert header[:5] == ["model", "variant", "rate", "rate_realized", "budget_shortfall"]
+
+
+def test_finetune_recipe_table_recall_na_and_realized_rate() -> None:
+    """The fine-tune recipe's before/after table: ``checks_s6`` reads n/a (not PASS) when the
+    base recalls nothing and nothing else fails, and shows the realized rate."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "finetune_compress.py"
+    spec = importlib.util.spec_from_file_location("finetune_compress_eval_test", path)
+    fc = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = fc
+    spec.loader.exec_module(fc)
+    unc = dict(ppl=10.0, recall_acc=0.0, kv_bytes_ratio=1.0, attn_kl=0.0, output_kl=0.0,
+               rate_realized=0.0)  # fmt: skip
+    ok = dict(unc, ppl=10.2, kv_bytes_ratio=0.3, attn_kl=0.05, rate_realized=0.4)
+    bad = dict(ok, attn_kl=0.2)
+    rows = fc.before_after([unc, ok], [unc, bad])
+    assert [r["checks_s6"] for r in rows] == ["n/a", "n/a", "fail", "n/a"]
+    assert [r["rate_realized"] for r in rows] == [0.0, 0.4, 0.4, 0.0]
+    recalls = dict(unc, recall_acc=0.8)
+    rows = fc.before_after(
+        [recalls, dict(ok, recall_acc=0.79)], [recalls, dict(ok, recall_acc=0.5)]
+    )
+    assert [r["checks_s6"] for r in rows[1:3]] == ["PASS", "fail"]
