@@ -406,3 +406,32 @@ def test_empty_dataset_file_names_the_file(files) -> None:
     blank.write_text('{"text": ""}\n{"text": ""}\n')
     with pytest.raises(ConfigError, match=r"has no records: no non-empty text in its 'text'"):
         LMDataModule(DataConfig(source=str(blank))).setup()
+
+
+def test_only_bad_input_is_shortened_bugs_keep_their_traceback(capsys) -> None:
+    """``report_user_errors`` prints one line for our config errors (also when a parser wrapped
+    them, ``raise ... from``) and lets every other exception through, even one raised while
+    handling a bad-input error."""
+    from unicache_train.cli import report_user_errors
+
+    def wrapped():
+        try:
+            raise ConfigError("X.y=1 is out of range; allowed [2, 3]")
+        except ConfigError as err:
+            raise ValueError("Does not validate against any of the Union subtypes") from err
+
+    with pytest.raises(SystemExit) as exc:
+        report_user_errors(wrapped)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == "error: X.y=1 is out of range; allowed [2, 3]\n"
+
+    def bug_while_handling():
+        try:
+            raise FileNotFoundError("cache.json")
+        except FileNotFoundError:
+            raise TypeError("a bug")  # noqa: B904 (the point: an implicit __context__)
+
+    with pytest.raises(TypeError, match="a bug"):
+        report_user_errors(bug_while_handling)
+    with pytest.raises(KeyError):
+        report_user_errors(lambda: {}["k"])

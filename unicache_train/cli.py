@@ -333,7 +333,9 @@ def user_error(err: BaseException) -> BaseException | None:
         if isinstance(cur, kinds):
             return cur
         seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
+        # NOTE: only explicit causes (``raise ... from err``): an error raised while *handling*
+        # a FileNotFoundError (its __context__) is a bug and keeps its traceback.
+        cur = cur.__cause__
     return None
 
 
