@@ -452,11 +452,17 @@ class LoggingConfig:
 
 @dataclass
 class MonitorConfig:
-    """Signal-gain and compression-quality monitoring (see :mod:`unicache_train.monitor`)."""
+    """Signal-gain and compression-quality monitoring (see :mod:`unicache_train.monitor`).
+
+    The gain alarm is relative to the run's own start: each per-layer forward gain (and the
+    composite mHC/HC mix gain) alarms, once, when it moves more than ``gain_threshold`` times
+    away from the median of its first ``gain_baseline_checks`` checks.
+    """
 
     gain: bool = True
     gain_every_n_steps: int = 50
     gain_threshold: float = 2.0
+    gain_baseline_checks: int = 3
     gain_stop_after: int | None = None
     plots: bool = True
     compress_every_n_steps: int = 10
@@ -464,6 +470,7 @@ class MonitorConfig:
     def __post_init__(self) -> None:
         _int(self, "gain_every_n_steps", 1)
         _range(self, "gain_threshold", 1, lo_open=True)
+        _int(self, "gain_baseline_checks", 1)
         if self.gain_stop_after is not None:
             _int(self, "gain_stop_after", 1)
         _int(self, "compress_every_n_steps", 1)

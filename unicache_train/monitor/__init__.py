@@ -5,11 +5,18 @@ from unicache_train.monitor.callbacks import (
     SignalGainMonitor,
     find_callback,
 )
-from unicache_train.monitor.gain import MixStats, amax_gain, composite_mix, mix_stats
+from unicache_train.monitor.gain import (
+    GainAlarm,
+    MixStats,
+    amax_gain,
+    composite_mix,
+    mix_stats,
+)
 from unicache_train.monitor.metrics import compression_metrics
 
 __all__ = [
     "CompressionQualityMonitor",
+    "GainAlarm",
     "MixStats",
     "SignalGainMonitor",
     "amax_gain",

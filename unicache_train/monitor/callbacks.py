@@ -7,6 +7,7 @@ see does not depend on the logger they chose.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 from unicache_train.monitor import metrics as M
-from unicache_train.monitor.gain import mix_stats, rms
+from unicache_train.monitor.gain import GainAlarm, mix_stats, rms
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +103,23 @@ class SignalGainMonitor(L.Callback):
     maxima over layers, and for mHC/HC models the composite gain of the product of all residual
     mixes (see :func:`unicache_train.monitor.gain.mix_stats`). Other steps cost nothing.
 
-    A layer whose forward gain leaves ``[1/threshold, threshold]`` (default 2x: "keep each
-    layer's output norm within 2x" of the source article) warns once per layer; with
-    ``stop_after=N`` training stops after N consecutive checks with a violation.
+    Alarms compare each gain with the run's own early baseline, not with an absolute band
+    (pretrained layers legitimately have gains of 10-24): the baseline of a layer's forward gain,
+    and of the composite mix gains, is the median of its first ``baseline_checks`` checks; a
+    later value more than ``threshold`` times away from it (or not finite) is logged once per
+    layer/kind as a warning on logger ``unicache_train.monitor.callbacks`` (see
+    :class:`~unicache_train.monitor.gain.GainAlarm`). With ``stop_after=N`` training stops
+    after N consecutive checks with a violation.
 
     At the end of training a PNG of the gains is written to ``<out_dir>/plots/gain.png`` and
     logged to W&B as an image when W&B is the logger.
+
+    Args:
+        every_n_steps: >= 1, optimizer steps between probed batches.
+        threshold: > 1, allowed factor of change of a gain against its baseline.
+        stop_after: >= 1 or None, consecutive violating checks before stopping.
+        plot: write (and log) the PNG at the end.
+        baseline_checks: >= 1, checks whose median is each gain's baseline.
     """
 
     def __init__(
@@ -116,20 +128,28 @@ class SignalGainMonitor(L.Callback):
         threshold: float = 2.0,
         stop_after: int | None = None,
         plot: bool = True,
+        baseline_checks: int = 3,
     ) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"SignalGainMonitor.every_n_steps={every_n_steps}: must be >= 1")
-        if threshold <= 1:
-            raise ValueError(f"SignalGainMonitor.threshold={threshold}: must be > 1")
-        if stop_after is not None and stop_after < 1:
-            raise ValueError(f"SignalGainMonitor.stop_after={stop_after}: must be >= 1 or None")
+        _check_int("every_n_steps", every_n_steps)
+        if stop_after is not None:
+            _check_int("stop_after", stop_after)
+        _check_int("baseline_checks", baseline_checks)
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not (math.isfinite(threshold) and threshold > 1)
+        ):
+            raise ValueError(
+                f"SignalGainMonitor.threshold={threshold!r} is out of range; allowed (1, inf)"
+            )
+        self._alarm = GainAlarm(threshold, baseline_checks)
         self.every_n_steps = every_n_steps
-        self.threshold = threshold
+        self.threshold = float(threshold)
+        self.baseline_checks = baseline_checks
         self.stop_after = stop_after
         self.plot = plot
         self.history: list[dict[str, Any]] = []
         self._probe: _LayerProbe | None = None
-        self._warned: set[int] = set()
         self._consecutive = 0
 
     # ------------------------------------------------------------------------------ arming
@@ -171,25 +191,45 @@ class SignalGainMonitor(L.Callback):
             )
             row.update(composite_fwd=s.composite_fwd, composite_bwd=s.composite_bwd)
         self.history.append(row)
-        self._check_threshold(trainer, fwd)
+        self.check_gains(trainer, fwd, row.get("composite_fwd"), row.get("composite_bwd"))
         _log(trainer, metrics)
 
-    def _check_threshold(self, trainer, fwd: list[float]) -> None:
-        bad = [i for i, g in enumerate(fwd) if not (1.0 / self.threshold <= g <= self.threshold)]
-        for i in bad:
-            if i not in self._warned:
-                self._warned.add(i)
-                _warn(
-                    f"layer {i}: forward norm gain {fwd[i]:.3g} is outside "
-                    f"[1/{self.threshold:g}, {self.threshold:g}] at step {trainer.global_step}"
-                )
-        self._consecutive = self._consecutive + 1 if bad else 0
+    def check_gains(
+        self,
+        trainer,
+        fwd: list[float],
+        composite_fwd: float | None = None,
+        composite_bwd: float | None = None,
+    ) -> list[str]:
+        """Feeds one check's gains to the alarm; logs and returns the new alarm messages.
+
+        Args:
+            trainer: reads ``global_step``; ``should_stop`` is set after ``stop_after``
+                consecutive violating checks.
+            fwd: [L] per-layer forward gains.
+            composite_fwd, composite_bwd: the composite mix gains (mHC/HC models), or None.
+        """
+        values = {M.GAIN_FWD_LAYER.format(i): g for i, g in enumerate(fwd)}
+        labels = {key: f"layer {i}: forward norm gain" for i, key in enumerate(values)}
+        for key, value, what in (
+            (M.MHC_COMPOSITE_FWD, composite_fwd, "forward"),
+            (M.MHC_COMPOSITE_BWD, composite_bwd, "backward"),
+        ):
+            if value is not None:
+                values[key] = value
+                labels[key] = f"composite residual-mix gain ({what})"
+        step = trainer.global_step
+        messages = self._alarm.update(step, values, labels)
+        for msg in messages:
+            _warn(msg)
+        self._consecutive = self._consecutive + 1 if self._alarm.violated else 0
         if self.stop_after is not None and self._consecutive >= self.stop_after:
             _warn(
-                f"stopping: per-layer gain exceeded {self.threshold:g}x for "
-                f"{self._consecutive} consecutive checks (layers {bad})"
+                f"stopping: gains left [1/{self.threshold:g}, {self.threshold:g}] x their "
+                f"baseline for {self._consecutive} consecutive checks (step {step})"
             )
             trainer.should_stop = True
+        return messages
 
     # ------------------------------------------------------------------------------ plots
     def on_train_end(self, trainer, pl_module) -> None:
@@ -206,13 +246,13 @@ class SignalGainMonitor(L.Callback):
         return {
             "history": self.history,
             "consecutive": self._consecutive,
-            "warned": sorted(self._warned),
+            "alarm": self._alarm.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = list(state.get("history", []))
         self._consecutive = int(state.get("consecutive", 0))
-        self._warned = set(state.get("warned", []))
+        self._alarm.load_state_dict(state.get("alarm", {}))
 
 
 class CompressionQualityMonitor(L.Callback):
@@ -265,6 +305,13 @@ class CompressionQualityMonitor(L.Callback):
         self.flush(trainer)
 
 
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"SignalGainMonitor.{name}={value!r}: expected an integer in [1, inf)")
+    if value < 1:
+        raise ValueError(f"SignalGainMonitor.{name}={value!r} is out of range; allowed [1, inf)")
+
+
 def find_callback(trainer, cls: type) -> Any | None:
     """The first callback of type ``cls`` on ``trainer`` (or None)."""
     for cb in getattr(trainer, "callbacks", []):
@@ -275,10 +322,8 @@ def find_callback(trainer, cls: type) -> Any | None:
 
 @rank_zero_only
 def _warn(msg: str) -> None:
+    # One channel: the logger (a RuntimeWarning as well printed every alarm twice).
     log.warning(msg)
-    import warnings
-
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 @rank_zero_only

@@ -1,4 +1,4 @@
-"""Signal-gain measures of a residual stack (pure functions, no Lightning).
+"""Signal-gain measures of a residual stack and the gain alarm (no Lightning).
 
 Shape legend: B, T, n, L = batch, tokens, residual streams, number of mixing matrices.
 
@@ -11,6 +11,8 @@ guarantee; the paper reports composite gains near 3000 at 27B.
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -82,3 +84,90 @@ def mix_stats(mats: list[torch.Tensor]) -> MixStats:
 def rms(x: torch.Tensor) -> float:
     """Root mean square over every element (for mHC: the whole stream stack [B, T, n, C])."""
     return float(x.detach().float().pow(2).mean().sqrt())
+
+
+class GainAlarm:
+    """Alarms when a gain changes against the run's own early baseline, once per key.
+
+    Pretrained layers legitimately have gains far from 1 (SmolLM2-135M: layer 0's forward gain
+    is 18-24, layer 11's about 10 at step 0), so an absolute band alarms on every real
+    checkpoint. Instead, each key's baseline is the median of its first ``baseline_checks``
+    finite values, and a later value alarms when ``value / baseline`` leaves
+    ``[1/band, band]`` or is not finite. Each key alarms at most once (:meth:`update` returns
+    the message the first time only); :attr:`violated` tells whether the last update had any
+    violation, repeated or not (for stop-after-N-violations logic).
+
+    Args:
+        band: > 1, the allowed factor of change against the baseline.
+        baseline_checks: >= 1, checks whose median is the baseline.
+    """
+
+    def __init__(self, band: float = 2.0, baseline_checks: int = 3) -> None:
+        if (
+            isinstance(band, bool)
+            or not isinstance(band, (int, float))
+            or not (math.isfinite(band) and band > 1)
+        ):
+            raise ValueError(f"GainAlarm.band={band!r} is out of range; allowed (1, inf)")
+        if (
+            isinstance(baseline_checks, bool)
+            or not isinstance(baseline_checks, int)
+            or baseline_checks < 1
+        ):
+            raise ValueError(
+                f"GainAlarm.baseline_checks={baseline_checks!r}: expected an integer in [1, inf)"
+            )
+        self.band = float(band)
+        self.baseline_checks = baseline_checks
+        self.samples: dict[str, list[float]] = {}
+        self.baseline: dict[str, float] = {}
+        self.alarmed: set[str] = set()
+        self.violated = False
+
+    def update(self, step: int, values: dict[str, float], labels: dict[str, str]) -> list[str]:
+        """Feeds one check; returns the messages of keys that alarm for the first time.
+
+        Args:
+            step: training step of the check (for the message).
+            values: key -> gain (e.g. ``{"fwd_layer_00": 19.7, "composite_fwd": 1.0}``).
+            labels: key -> what the value is, for the message (``"layer 0 forward gain"``).
+        """
+        messages: list[str] = []
+        self.violated = False
+        for key, value in values.items():
+            label = labels.get(key, key)
+            base = self.baseline.get(key)
+            msg = None
+            if not math.isfinite(value):
+                msg = f"{label} is {value} at step {step}"
+            elif base is None:
+                samples = self.samples.setdefault(key, [])
+                samples.append(value)
+                if len(samples) >= self.baseline_checks:
+                    self.baseline[key] = statistics.median(samples)
+            else:
+                ratio = value / base if base > 0 else (1.0 if value == 0 else math.inf)
+                if not 1.0 / self.band <= ratio <= self.band:
+                    msg = (
+                        f"{label} {value:.3g} is {ratio:.3g}x its baseline {base:.3g} (median of "
+                        f"the first {self.baseline_checks} checks), outside "
+                        f"[1/{self.band:g}, {self.band:g}] at step {step}"
+                    )
+            if msg is not None:
+                self.violated = True
+                if key not in self.alarmed:
+                    self.alarmed.add(key)
+                    messages.append(msg)
+        return messages
+
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "samples": {k: list(v) for k, v in self.samples.items()},
+            "baseline": dict(self.baseline),
+            "alarmed": sorted(self.alarmed),
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.samples = {k: list(v) for k, v in dict(state.get("samples", {})).items()}
+        self.baseline = {k: float(v) for k, v in dict(state.get("baseline", {})).items()}
+        self.alarmed = set(state.get("alarmed", []))

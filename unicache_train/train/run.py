@@ -81,7 +81,8 @@ def _monitors(config: RunConfig) -> list[L.Callback]:
     cbs: list[L.Callback] = [CompressionQualityMonitor(mc.compress_every_n_steps)]
     if mc.gain:
         cbs.append(SignalGainMonitor(mc.gain_every_n_steps, mc.gain_threshold,
-                                     mc.gain_stop_after, plot=mc.plots))
+                                     mc.gain_stop_after, plot=mc.plots,
+                                     baseline_checks=mc.gain_baseline_checks))
     return cbs
 
 
