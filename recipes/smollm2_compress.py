@@ -16,7 +16,7 @@ Stages (settings in ``smollm2_compress.yaml``; every stage is a library call):
    real English (:mod:`unicache_train.eval.text`), uncompressed and for every setting;
 4. for each of ``study.finetune``: write the training mix (recall records from training seeds
    + real text), fine-tune with :func:`unicache_train.train.run.fit` (``compress``: the
-   ``finetune_method`` compressor in the loop; ``control``: the same splits and loss with
+   ``finetune_setting`` compressor in the loop; ``control``: the same splits and loss with
    nothing compressed), evaluate the same way;
 5. write ``<out_dir>/results.csv``, ``results.md`` and ``results.png`` (recall and perplexity
    against the KV-bytes reduction, one line per model and method) and print the table.
@@ -79,6 +79,22 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------ compressors
+METHODS = ("unicache", "unicache_span", "xkv")
+
+
+def parse_setting(spec: str) -> tuple[str, float]:
+    """``"unicache@4"`` -> ("unicache", 4.0): a method at a KV-bytes reduction."""
+    method, sep, red = str(spec).partition("@")
+    try:
+        value = float(red)
+    except ValueError:
+        value = float("nan")
+    if not sep or method not in METHODS or not value > 1.0:
+        raise ConfigError(
+            f"study setting {spec!r} must look like METHOD@REDUCTION with METHOD one of "
+            f"{list(METHODS)} and REDUCTION > 1 (e.g. unicache@4)"
+        )
+    return method, value
 def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
     from unicache_train.compress import UniCacheCompressor
     from unicache_train.compress.base import IdentityCompressor
@@ -87,26 +103,22 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
     from unicache_train.eval.budget import measured_reduction, rate_for_reduction, text_unicache
 
     out = [Setting("none", 1.0, 0.0, IdentityCompressor)]
-    for red in study["reductions"]:
-        for method in study["methods"]:
-            if method in ("unicache", "unicache_span"):
-                pool = int(study["span_pool"]) if method == "unicache_span" else 0
+    for spec in study["settings"]:
+        method, red = parse_setting(spec)
+        if method in ("unicache", "unicache_span"):
+            pool = int(study["span_pool"]) if method == "unicache_span" else 0
 
-                def make(rate, pool=pool):
-                    return UniCacheCompressor(text_unicache(rate, pool))
+            def make(rate, pool=pool):
+                return UniCacheCompressor(text_unicache(rate, pool))
 
-                rate, got = rate_for_reduction(model, calib_ids, calib_split, make, float(red))
-                out.append(Setting(method, red, rate, lambda r=rate, m=make: m(r), got))
-            elif method == "xkv":
-                xcfg = XKVConfig(rank_mode="ratio", ratio=float(red), group_size=2)
-                got = measured_reduction(model, calib_ids, calib_split, XKVCompressor(xcfg))
-                out.append(Setting("xkv", red, math.nan, lambda c=xcfg: XKVCompressor(c), got))
-            else:
-                raise ConfigError(
-                    f"study.methods: {method!r} is not known; allowed unicache, unicache_span, xkv"
-                )
-            s = out[-1]
-            print(f"  {method} @{red}x: rate {s.rate:.3f}, calibrated reduction {got:.2f}x")
+            rate, got = rate_for_reduction(model, calib_ids, calib_split, make, red)
+            out.append(Setting(method, red, rate, lambda r=rate, m=make: m(r), got))
+        else:
+            xcfg = XKVConfig(rank_mode="ratio", ratio=red, group_size=2)
+            got = measured_reduction(model, calib_ids, calib_split, XKVCompressor(xcfg))
+            out.append(Setting("xkv", red, math.nan, lambda c=xcfg: XKVCompressor(c), got))
+        s = out[-1]
+        print(f"  {spec}: rate {s.rate:.3f}, calibrated reduction {got:.2f}x", flush=True)
     return out
 
 
@@ -284,17 +296,18 @@ def main(argv: list[str] | None = None) -> StudyResult:
         settings = build_settings(model, calib, split, study)
     rows = evaluate(model, tok, "base", settings, tasks, study, blocks, log)
     write_results(rows, out)
+    ft_method, ft_red = parse_setting(study["finetune_setting"])
     ft_cfg = None
     for s in settings:
-        if s.method == study["finetune_method"] and s.target == study["finetune_reduction"]:
+        if s.method == ft_method and s.target == ft_red and ft_method != "xkv":
             ft_cfg = text_unicache(s.rate, int(study["span_pool"]) if "span" in s.method else 0)
     for kind in study["finetune"]:
         if kind not in ("compress", "control"):
             raise ConfigError(f"study.finetune: {kind!r} is not known; allowed compress, control")
         if kind == "compress" and ft_cfg is None:
             raise ConfigError(
-                f"study.finetune_method={study['finetune_method']!r} at "
-                f"{study['finetune_reduction']}x is not among the evaluated settings"
+                f"study.finetune_setting={study['finetune_setting']!r} must be a UniCache "
+                f"setting among study.settings {study['settings']}"
             )
         log(f"[{time.time() - t_start:.0f}s] fine-tuning: {kind}")
         ft_model, export = finetune(kind, ckpt_dir, run, study, ft_cfg, out)
