@@ -15,24 +15,19 @@ needs no coordination beyond an atomic file rename.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
-
-from unicache_train.checkpoint.hf import export_hf, import_hf
+from unicache_train.checkpoint.hf import export_hf
 from unicache_train.config import ConfigError, RunConfig, apply_overrides, load_yaml
+from unicache_train.train.from_hf import prepare_hf_run
 
 DEFAULT_YAML = Path(__file__).with_suffix(".yaml")
 HF_DEFAULTS: dict[str, Any] = {
     "checkpoint_dir": None, "mhc": False, "hc_mult": 4, "hc_preset": "deepseek_v4", "seed": 0,
     "export_dir": None, "export_family": None, "export_dtype": "bf16",
 }
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -64,38 +59,10 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def build(hf: dict[str, Any], data: dict[str, Any]) -> RunConfig:
     """Import (and convert) the checkpoint, write the init weights, return the run config."""
-    ckpt = Path(hf["checkpoint_dir"])
-    model, model_cfg = import_hf(ckpt)
-    if hf["mhc"]:
-        from unicache_train.model.convert import convert_to_mhc
-
-        torch.manual_seed(int(hf["seed"]))
-        model = convert_to_mhc(model, hc_mult=int(hf["hc_mult"]), preset=hf["hc_preset"])
-        model_cfg = model.config
-    data.setdefault("data", {})
-    if data["data"].get("tokenizer", "auto") == "auto":
-        has_tok = any((ckpt / f).is_file() for f in _TOKENIZER_FILES)
-        data["data"]["tokenizer"] = str(ckpt) if has_tok else "byte"
-    config = RunConfig.from_dict({**data, "model": dataclasses.asdict(model_cfg)})
-    from unicache_train.data.tokenizer import load_tokenizer
-
-    vocab = load_tokenizer(config.data.tokenizer).vocab_size
-    if vocab > model_cfg.vocab_size:
-        raise ConfigError(
-            f"data.tokenizer={config.data.tokenizer!r} has {vocab} tokens but the checkpoint's "
-            f"vocab_size is {model_cfg.vocab_size}"
-        )
-    out_dir = Path(config.train.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    init = out_dir / "init_weights.safetensors"
-    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model_cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)  # shared storage: safetensors refuses aliases
-    tmp = init.with_suffix(f".{os.getpid()}.tmp")
-    save_file(sd, str(tmp))
-    os.replace(tmp, init)  # NOTE: atomic, so concurrent ranks never read a half-written file
-    config.train.init_weights = str(init)
-    return config
+    return prepare_hf_run(
+        hf["checkpoint_dir"], data, mhc=bool(hf["mhc"]), hc_mult=int(hf["hc_mult"]),
+        hc_preset=hf["hc_preset"], seed=int(hf["seed"]),
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None):

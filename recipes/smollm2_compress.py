@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import yaml
 
-from unicache_train.config import ConfigError, apply_overrides
+from unicache_train.config import ConfigError, apply_overrides, load_yaml
 
 DEFAULT_YAML = Path(__file__).with_suffix(".yaml")
 COLUMNS = (
@@ -72,7 +72,7 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
             raise ConfigError("--config needs a value")
         path = Path(args[i + 1])
         del args[i : i + 2]
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = load_yaml(Path(path).read_text()) or {}
     apply_overrides(data, args)
     study = data.pop("study", None) or {}
     return study, data
