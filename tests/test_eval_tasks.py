@@ -198,3 +198,19 @@ def test_recall_decodes_on_an_xkv_cache_and_reports_its_bytes():
     xkv = XKVCompressor(XKVConfig(rank_mode="ratio", ratio=4.0, group_size=2))
     r = run_recall(model, tok, recs, xkv, batch_size=3)
     assert r.n == 3 and 3.0 < r.bytes_reduction <= 4.5
+
+
+def test_cli_fetch_refuses_an_unknown_name(capsys):
+    from unicache_train.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["fetch", "--name", "llama-70b"])
+    assert exc.value.code == 2
+    assert "fetch --name='llama-70b' is not known; allowed ['smollm2']" in capsys.readouterr().err
+
+
+def test_missing_checkpoint_error_names_the_fetch_command(tmp_path):
+    from unicache_train.checkpoint.gguf import CheckpointNotFetched, fetched_dir
+
+    with pytest.raises(CheckpointNotFetched, match="unicache-train fetch --name smollm2"):
+        fetched_dir("smollm2", root=tmp_path)

