@@ -49,8 +49,8 @@ from unicache_train.config import ConfigError, RunConfig, _int, load_yaml
 
 HERE = Path(__file__).resolve().parent
 
-#: DESIGN §8: at >= 4x fewer KV bytes, perplexity within 3% of uncompressed and recall accuracy
-#: >= 95% of uncompressed.
+#: docs/architecture.md#targets: at >= 4x fewer KV bytes, perplexity within 3% of uncompressed and
+#: recall accuracy >= 95% of uncompressed.
 TARGET_KV_REDUCTION = 4.0
 TARGET_PPL_INCREASE = 0.03
 TARGET_ACC_FRACTION = 0.95
@@ -197,12 +197,13 @@ def evaluate_stage(
 def before_after(base: list[dict[str, Any]], tuned: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The recipe's table; every reference is the base model without compression.
 
-    ``checks_s6``: DESIGN §6 quality checks (attention KL < 0.1, perplexity at most +5%, recall
-    at most 5 points lower). ``target_kv`` / ``target_ppl`` / ``target_recall``: the §8 target
-    (>= 4x fewer KV bytes, perplexity within 3%, recall >= 95% of uncompressed); ``n/a`` where
-    it does not apply (uncompressed rows; recall when the base recalls nothing, in ``checks_s6``
-    too unless another check fails). ``rate_realized``: the fraction of context tokens really
-    removed (the requested rate is in the header line).
+    ``checks_s6``: the quality checks of docs/architecture.md#quality-checks (attention KL < 0.1,
+    perplexity at most +5%, recall at most 5 points lower). ``target_kv`` / ``target_ppl`` /
+    ``target_recall``: the target of docs/architecture.md#targets (>= 4x fewer KV bytes, perplexity
+    within 3%, recall >= 95% of uncompressed); ``n/a`` where it does not apply (uncompressed rows;
+    recall when the base recalls nothing, in ``checks_s6`` too unless another check fails).
+    ``rate_realized``: the fraction of context tokens really removed (the requested rate is in the
+    header line).
     """
     ref_ppl, ref_acc = base[0]["ppl"], base[0]["recall_acc"]
     out = []

@@ -1,9 +1,9 @@
 """Benchmark: a training step with KV compression in the loop vs the same step without.
 
-DESIGN §8 target: step time with compression in the loop <= 1.25x the plain step, same model,
-measured side by side in one run. The cases share one model (the same weights, copied), the
-same batches and the same optimizer settings, and are timed round-robin (one step of each case
-in turn), so load on a shared machine hits all of them alike.
+Target (docs/architecture.md#targets): step time with compression in the loop <= 1.25x the plain
+step, same model, measured side by side in one run. The cases share one model (the same weights,
+copied), the same batches and the same optimizer settings, and are timed round-robin (one step of
+each case in turn), so load on a shared machine hits all of them alike.
 
 Cases (one setup function each):
   plain        LMModule without compression: forward, causal-LM loss, backward, AdamW step

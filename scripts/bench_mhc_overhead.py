@@ -1,11 +1,11 @@
 """Training-step overhead of mHC (n streams) vs the plain residual, ours vs transformers' code.
 
-DESIGN §8: on CPU a 4-layer MLP stack at B·T = 2048, C = 1024 costs +68% with transformers'
-``deepseek_v4`` mHC code; our target is at most a third of that overhead. Each case is a stack of
-``layers`` sub-layers ``x -> x + SwiGLU(RMSNorm(x))`` wired as (a) the plain residual, (b) our
-:class:`~unicache_train.model.mhc.HyperConnection`, (c) transformers'
-``DeepseekV4HyperConnection`` with the mixing of ``DeepseekV4DecoderLayer``. Forward + backward
-of a random cotangent, warm-up, median of ``--repeats``; all cases in the same run.
+Target (docs/architecture.md#targets): on CPU a 4-layer MLP stack at B·T = 2048, C = 1024 costs +68%
+with transformers' ``deepseek_v4`` mHC code; our target is at most a third of that overhead. Each
+case is a stack of ``layers`` sub-layers ``x -> x + SwiGLU(RMSNorm(x))`` wired as (a) the plain
+residual, (b) our :class:`~unicache_train.model.mhc.HyperConnection`, (c) transformers'
+``DeepseekV4HyperConnection`` with the mixing of ``DeepseekV4DecoderLayer``. Forward + backward of a
+random cotangent, warm-up, median of ``--repeats``; all cases in the same run.
 
     python scripts/bench_mhc_overhead.py --widths 256 512 1024
 Appends to scripts/results/bench_mhc_overhead.csv.

@@ -1,8 +1,8 @@
 """Benchmark: Sinkhorn fwd+bwd, our backends vs naive eager, torch.compile and lucidrains.
 
-DESIGN §8 targets: on CPU (64k matrices, n=4, 20 iters) at least as fast as ``torch.compile`` of
-the naive formula with saved bytes <= 2x the input; on GPU (32k) Triton >= 5x the compiled
-reference. Timings are ratios measured side by side in one run: the cases are timed
+Targets (docs/architecture.md#targets): on CPU (64k matrices, n=4, 20 iters) at least as fast as
+``torch.compile`` of the naive formula with saved bytes <= 2x the input; on GPU (32k) Triton >= 5x
+the compiled reference. Timings are ratios measured side by side in one run: the cases are timed
 round-robin (one repeat of each case in turn), so load on a shared machine hits all of them.
 
 Cases (one setup function each; ``variant`` in deepseek_v4 / paper):

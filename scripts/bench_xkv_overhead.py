@@ -1,8 +1,8 @@
 """Benchmark: a training step with xKV (cross-layer SVD) in the loop vs the same step without.
 
-Mirrors ``bench_compress_overhead.py`` (DESIGN §8: timings are ratios measured side by side in
-one run): the cases share one model (the same weights, copied), the same batches and the same
-optimizer settings, and are timed round-robin (one step of each case in turn).
+Mirrors ``bench_compress_overhead.py`` (docs/architecture.md#targets: timings are ratios measured
+side by side in one run): the cases share one model (the same weights, copied), the same batches and
+the same optimizer settings, and are timed round-robin (one step of each case in turn).
 
 Cases (one setup function each):
   plain              LMModule without compression: forward, LM loss, backward, AdamW step

@@ -1,9 +1,9 @@
 """Experiment: pretraining steps until the tiny byte-level decoder solves key-value recall.
 
-The compression targets of DESIGN §8 compare recall accuracy with and without a compressed cache,
-which only means something once the uncompressed model recalls at all. This script trains the
-tiny recipe model (``recipes/pretrain_tiny.yaml`` sizes) on recall records only, with every
-question supervised, and prints the teacher-forced exact-match accuracy of the answers on 64
+The compression targets (docs/architecture.md#targets) compare recall accuracy with and without a
+compressed cache, which only means something once the uncompressed model recalls at all. This script
+trains the tiny recipe model (``recipes/pretrain_tiny.yaml`` sizes) on recall records only, with
+every question supervised, and prints the teacher-forced exact-match accuracy of the answers on 64
 held-out records every ``--eval-every`` steps.
 
 Variants:

@@ -128,8 +128,8 @@ def test_pooled_budget_is_one_global_ranking() -> None:
 
 
 def test_global_normalization_pushes_visual_tokens_out_of_a_pooled_budget() -> None:
-    """Source §2.3 on the mechanism: visual attention is diluted over many patches, so a global
-    ranking puts visual tokens at the bottom and a pooled budget removes them first; the
+    """The UniCache article §2.3 on the mechanism: visual attention is diluted over many patches, so
+    a global ranking puts visual tokens at the bottom and a pooled budget removes them first; the
     per-modality ranking does not."""
     model = tiny_vlm(layers=2)
     emb, mod, split = multimodal_batch(model, seed=5)

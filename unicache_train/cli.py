@@ -71,10 +71,10 @@ def evaluate(
     logger: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint: validation loss and perplexity; with ``--compression.rates``, also
-    quality under KV compression at each rate (perplexity on continuations, key-value recall
-    decoded on the real compressed cache, attention and output KL, real KV bytes ratio, the
-    DESIGN §6 pass/fail checks), written as a table, a CSV and a PNG under
-    ``--compression.out_dir``.
+    quality under KV compression at each rate (perplexity on continuations, key-value recall decoded
+    on the real compressed cache, attention and output KL, real KV bytes ratio, the pass/fail
+    quality checks of docs/architecture.md#quality-checks), written as a table, a CSV and a PNG
+    under ``--compression.out_dir``.
 
     Example: ``unicache-train evaluate --checkpoint runs/x/checkpoints/last.ckpt
     --compression.rates "[0.0,0.3,0.6]" --compression.quantize int8``

@@ -481,7 +481,7 @@ COMPRESS_METHODS = ("unicache", "xkv", "unicache+xkv", "none")
 
 @dataclass
 class CompressionTrainConfig:
-    """KV compression inside the training loop (DESIGN §6 "In-loop semantics").
+    """KV compression inside the training loop (docs/architecture.md#in-loop-semantics).
 
     When ``enabled``, every training step splits each sample at ``s``: tokens ``[0, s)`` are
     prefilled, their K/V are compressed at every layer, and tokens ``[s, T)`` attend to the

@@ -113,8 +113,8 @@ def read_zero_client_state(ckpt_dir: str | Path) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------- consolidation
 def _keeps_fp32(key: str) -> bool:
-    """Hyper-connection parameters stay fp32 in every dtype (DESIGN §4; ``attn_hc.*``,
-    ``ffn_hc.*``, ``hc_head.*``): their Sinkhorn inputs lose too much in bf16."""
+    """Hyper-connection parameters stay fp32 in every dtype (docs/architecture.md#mhc;
+    ``attn_hc.*``, ``ffn_hc.*``, ``hc_head.*``): their Sinkhorn inputs lose too much in bf16."""
     name = key.removeprefix("model.")
     return "_hc." in name or name.startswith("hc_head.")
 

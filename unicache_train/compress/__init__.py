@@ -1,13 +1,14 @@
 """KV-cache compression: one method per file, combined by a composer.
 
-UniCache (source document 000; DESIGN §6): :class:`UniCacheCompressor` built from a
+UniCache (docs/architecture.md#unicache-pipeline): :class:`UniCacheCompressor` built from a
 :class:`UniCacheConfig` (presets in :mod:`unicache_train.compress.presets`). The steps
 (:class:`HeadMerge`, :class:`Importance`, :class:`LayerSchedule`, :class:`ModalityBudget`,
 :class:`AlignmentProtect`, :class:`MergeEvict`, :class:`Quantize`, :class:`DynamicFallback`)
 compose through :class:`ComposedCompressor`.
 
-xKV (source document 004; DESIGN §7): :class:`XKVCompressor` built from an :class:`XKVConfig`,
-cross-layer SVD of contiguous layer groups (optionally after UniCache token compression).
+xKV (arXiv 2503.18893; docs/architecture.md#xkv): :class:`XKVCompressor` built from an
+:class:`XKVConfig`, cross-layer SVD of contiguous layer groups (optionally after UniCache token
+compression).
 """
 
 from unicache_train.compress.base import (

@@ -1,4 +1,4 @@
-"""Modality budgets from information density (source document 000 §5.1, §5.2).
+"""Modality budgets from information density (UniCache article §5.1, §5.2).
 
 1. Density per modality and sample: ``rho_m = 1 - mean pairwise cosine`` of the modality's
    context K/V (per KV head, keys and values averaged, then over heads; clamped to
@@ -18,7 +18,7 @@ curve (``fixed * R / target_rate``); the density rule shares the rest among the 
 ``presets.text_style_pooled``): the ``round(R * N)`` context tokens of a sample with the lowest
 importance scores are what a text KV method's top-k would drop, and each modality's rate is the
 share of its own tokens among them (no caps). With attention normalized globally, diluted visual
-attention puts most visual tokens at the bottom of that ranking (source §2.3, §5.1).
+attention puts most visual tokens at the bottom of that ranking (UniCache article §2.3, §5.1).
 
 Shape legend: B, T, H, D, 3 = batch, tokens, KV heads, head dim, modalities.
 """

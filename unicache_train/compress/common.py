@@ -9,7 +9,7 @@ without gradients.
 Shape legend: B, H, Hq, T, D, W, O, G = batch, KV heads, query heads, tokens, head dim,
 observation window, neighbour offsets, groups.
 
-Source: document 000 (UniCache), §2.3 (within-modality normalization, cross-modal interaction),
+Source: the UniCache article, §2.3 (within-modality normalization, cross-modal interaction),
 §4.2 (redundancy window), §5.3 (alignment tokens).
 """
 
@@ -177,7 +177,7 @@ def neighbour_similarity(
     offsets: tuple[int, ...],
     source: str = "keys",
 ) -> NeighbourSims:
-    """Cosine similarity of every token to its neighbours at ``offsets`` (source §4.2).
+    """Cosine similarity of every token to its neighbours at ``offsets`` (UniCache article §4.2).
 
     Per KV head the cosine of the key vectors (``source="keys"``) or the mean of the key and
     value cosines (``"kv"``), then the mean over heads. Tokens of another modality, outside the

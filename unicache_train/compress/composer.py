@@ -1,6 +1,7 @@
 """Composers: a general list-of-steps compressor, the UniCache pipeline, a per-layer wrapper.
 
-UniCache (source document 000, §10 skeleton; DESIGN §6) runs, in this fixed order::
+UniCache (the UniCache article's §10 skeleton; docs/architecture.md#unicache-pipeline) runs, in
+this fixed order::
 
     fallback (on the uncompressed input) -> head merge -> importance -> layer rate
         -> modality budgets -> alignment protection -> merge/evict/keep -> quantize
@@ -228,7 +229,8 @@ class ComposedCompressor:
 
 
 class UniCacheCompressor(ComposedCompressor):
-    """The UniCache pipeline built from a :class:`UniCacheConfig` (defaults: DESIGN §6).
+    """The UniCache pipeline built from a :class:`UniCacheConfig` (defaults:
+    docs/architecture.md#unicache-pipeline).
 
     Callable as ``compressor(inp) -> KVSegment`` at the attention seam; :meth:`run` returns the
     full :class:`CompressionState` for analysis and tests.

@@ -1,17 +1,17 @@
-"""Validated configuration of the UniCache compressor (source document 000, DESIGN §6).
+"""Validated configuration of the UniCache compressor (docs/architecture.md#unicache-pipeline).
 
 One dataclass per pipeline step; :class:`UniCacheConfig` holds them plus the global target, the
-curriculum ``rate_scale`` and the cache dtype used by the byte accounting. Every default is the
-source's default and every range is the range the source recommends (§6 of DESIGN.md), so a
-value outside it raises :class:`~unicache_train.config.ConfigError` naming the field, the value
-and the allowed range. The step classes (``HeadMerge``, ``Importance``, ...) subclass these
-dataclasses, so a method's fields *are* its hyperparameters.
+curriculum ``rate_scale`` and the cache dtype used by the byte accounting. Defaults are the UniCache
+article's unless a field says otherwise, and where the article recommends a range that range is
+enforced, so a value outside it raises :class:`~unicache_train.config.ConfigError` naming the field,
+the value and the allowed range. The step classes (``HeadMerge``, ``Importance``, ...) subclass
+these dataclasses, so a method's fields *are* its hyperparameters.
 
-Rate convention (source §4.3, §5.2, §5.3, §7.2): a **compression rate** is the fraction of
-context tokens *removed* (evicted or merged away): 0 keeps everything, 0.75 keeps a quarter.
-The source's "shallow 75% / deep 45%" (deep layers are protected), "visual cap 80% / text cap
-40%" (caps stop a modality from being crushed), "alignment tokens: others 60%, they only 30%"
-and "higher complexity -> lower rate" are all consistent only with this reading.
+Rate convention (UniCache article §4.3, §5.2, §5.3, §7.2): a **compression rate** is the fraction of
+context tokens *removed* (evicted or merged away): 0 keeps everything, 0.75 keeps a quarter. The
+article's "shallow 75% / deep 45%" (deep layers are protected), "visual cap 80% / text cap 40%"
+(caps stop a modality from being crushed), "alignment tokens: others 60%, they only 30%" and "higher
+complexity -> lower rate" are all consistent only with this reading.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _optional_rate(obj: Any, name: str, hi: float) -> None:
 
 @dataclass
 class HeadMergeConfig:
-    """Head merging (source §3.2): KV heads of a layer whose context K/V are similar are
+    """Head merging (UniCache article §3.2): KV heads of a layer whose context K/V are similar are
     averaged into one stored copy per group.
 
     Attributes:
@@ -81,7 +81,7 @@ class HeadMergeConfig:
 
 @dataclass
 class ImportanceConfig:
-    """Token importance ``s = w_a*a + w_c*c - w_d*d + w_r*r`` (source §2.3, §4.2, §4.3).
+    """Token importance ``s = w_a*a + w_c*c - w_d*d + w_r*r`` (UniCache article §2.3, §4.2, §4.3).
 
     Attributes:
         enabled: run this step (without it every token scores 0: selection by position only).
@@ -95,7 +95,7 @@ class ImportanceConfig:
             neighbours too (long-video preset: patches per frame).
         similarity: ``"keys"`` (cosine of keys) or ``"kv"`` (mean of key and value cosines).
         normalize: ``"modality"`` (a and c normalized within each modality, the method) or
-            ``"global"`` (over all context tokens: the text-style baseline; source §2.3 warns
+            ``"global"`` (over all context tokens: the text-style baseline; the article §2.3 warns
             that it makes the model "read the text and ignore the image").
         pool: span pooling of the score: each token takes the max score of the ``pool``
             tokens centred on it (same modality, context only), so the neighbours of an
@@ -137,7 +137,7 @@ class ImportanceConfig:
 
 @dataclass
 class ScheduleConfig:
-    """Per-layer rate on a cosine curve shallow -> deep (source §4.3, §9 pitfall 4).
+    """Per-layer rate on a cosine curve shallow -> deep (UniCache article §4.3, §9 pitfall 4).
 
     The curve goes from ``shallow_rate`` (layer 0) through their mean (middle layer) to
     ``deep_rate`` (last layer); it is then scaled so that its mean over layers equals the
@@ -166,7 +166,7 @@ class ScheduleConfig:
 
 @dataclass
 class BudgetConfig:
-    """Modality budgets from information density (source §5.2).
+    """Modality budgets from information density (UniCache article §5.2).
 
     Attributes:
         enabled: run this step (without it every modality gets the layer rate: uniform).
@@ -219,7 +219,7 @@ class BudgetConfig:
 
 @dataclass
 class ProtectConfig:
-    """Alignment protection (source §5.3).
+    """Alignment protection (UniCache article §5.3).
 
     A context token is an *alignment token* when its cross-modal attention share exceeds
     ``threshold`` (see :func:`unicache_train.compress.common.window_stats`). Alignment tokens
@@ -245,7 +245,8 @@ class ProtectConfig:
 
 @dataclass
 class MergeEvictConfig:
-    """Execution (source §6.1, §6.2): merge redundant tokens, evict low-score ones, keep the rest.
+    """Execution (UniCache article §6.1, §6.2): merge redundant tokens, evict low-score ones, keep
+    the rest.
 
     Attributes:
         enabled: run this step (without it no token is removed).
@@ -255,7 +256,7 @@ class MergeEvictConfig:
             (source: 0.5).
         merge_rescale: which importance-weighted averages of a merged entry are rescaled to
             their members' mean norm: ``"k"`` (keys only, the default), ``"kv"`` (keys and
-            values, the source's §6.2) or ``"none"``. With the ``log(count)`` bias the plain
+            values, the article's §6.2) or ``"none"``. With the ``log(count)`` bias the plain
             average of V is exact for agreeing keys; rescaling V inflates the output. Chosen
             by measurement (``scripts/merge_rule_study.py``).
     """
@@ -274,7 +275,7 @@ class MergeEvictConfig:
 
 @dataclass
 class QuantizeConfig:
-    """Symmetric per-head quantization of the compressed segment (source §6.3, §9 pitfall 3).
+    """Symmetric per-head quantization of the segment (UniCache article §6.3, §9 pitfall 3).
 
     Attributes:
         enabled: run this step.
@@ -307,7 +308,7 @@ class QuantizeConfig:
 
 @dataclass
 class FallbackConfig:
-    """Dynamic fallback (source §7.2, §9 pitfall 2), computed on the *uncompressed* input.
+    """Dynamic fallback (UniCache article §7.2, §9 pitfall 2), computed on the *uncompressed* input.
 
     ``complexity = log(max(V, 1)) + log(max(T, 1)) + lambda_align * N_align / (T + V)``, with T
     the text and V the non-text (vision + audio) context tokens of a sample and N_align its
@@ -344,9 +345,9 @@ class FallbackConfig:
 
 @dataclass
 class UniCacheConfig:
-    """The whole UniCache pipeline (DESIGN §6). Steps run in the fixed order fallback -> head
-    merge -> importance -> layer rates -> modality budgets -> protection -> merge/evict ->
-    quantize.
+    """The whole UniCache pipeline (docs/architecture.md#unicache-pipeline). Steps run in the fixed
+    order fallback -> head merge -> importance -> layer rates -> modality budgets -> protection ->
+    merge/evict -> quantize.
 
     Attributes:
         target_rate: mean fraction of context tokens removed per layer (source: 0.6).
@@ -424,7 +425,7 @@ _SUBCONFIGS: dict[str, type] = {
 
 @dataclass
 class XKVConfig:
-    """xKV cross-layer SVD compression (source document 004; arXiv 2503.18893; DESIGN §7).
+    """xKV cross-layer SVD compression (arXiv 2503.18893; docs/architecture.md#xkv).
 
     Contiguous groups of ``group_size`` layers; per group and per sample, the context keys
     (pre-RoPE by default) of the group's layers are concatenated along the feature axis and

@@ -1,4 +1,4 @@
-"""Dynamic fallback: the target rate follows the input's complexity (source document 000 §7.2).
+"""Dynamic fallback: the target rate follows the input's complexity (UniCache article §7.2).
 
 ``complexity = log(max(V, 1)) + log(max(T, 1)) + lambda * N_align / (T + V)`` per sample, with
 T the text context tokens, V the non-text (vision + audio) context tokens and N_align the
@@ -8,9 +8,9 @@ alignment tokens (cross-modal attention share above ``align_threshold``, on this
 Mapping (linear, clipped): ``rate = max_rate - (max_rate - min_rate) * clip((complexity - low) /
 (high - low), 0, 1)``: simple inputs (a short image + prompt) get up to 0.75, complex ones
 (long video, dense references) down to 0.40. It replaces ``target_rate`` per sample, so every
-sample of a batch gets its own rate (source §8.3: batch members must not drag each other).
+sample of a batch gets its own rate (article §8.3: batch members must not drag each other).
 
-NOTE: this step runs FIRST, on the untouched input (source §9 pitfall 2: estimating it after
+NOTE: this step runs FIRST, on the untouched input (article §9 pitfall 2: estimating it after
 compression made the fallback contradict itself); the composer enforces the order.
 
 Shape legend: B, T = batch, tokens.

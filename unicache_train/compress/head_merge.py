@@ -1,6 +1,6 @@
 """Head merging: KV heads of a layer with similar context K/V share one stored copy.
 
-Source: document 000 §3.2 ("cluster the KV heads of a layer, heads whose cosine similarity
+Source: the UniCache article §3.2 ("cluster the KV heads of a layer, heads whose cosine similarity
 exceeds the threshold form a group, the group's KV is averaged into one head"; threshold
 0.85-0.92), §3.3 (little room in GQA models with 4-8 KV heads) and §9 pitfall 1 (merging
 heads without updating masks and indices).
@@ -129,7 +129,7 @@ def merge_heads(
         back = torch.einsum("bhg,bgtd->bhtd", member, mean).to(x.dtype)  # [B, H, T, D]
         return torch.where(alone, x, back)
 
-    # NOTE: K and V go through the same grouping and weights (source §6.2: K/V pairing).
+    # NOTE: K and V go through the same grouping and weights (UniCache article §6.2: K/V pairing).
     return merge(keys), merge(values)
 
 

@@ -1,4 +1,4 @@
-"""Token importance: ``s = w_a*a + w_c*c - w_d*d + w_r*r`` (source document 000 §2.3, §4.2, §4.3).
+"""Token importance: ``s = w_a*a + w_c*c - w_d*d + w_r*r`` (UniCache article §2.3, §4.2, §4.3).
 
 Signals, per context token of a sample (all in [0, 1], no gradients: they drive discrete
 selection):
@@ -7,8 +7,8 @@ selection):
   head-averaged, see :func:`~unicache_train.compress.common.window_stats`), normalized
   **within each modality** as a percentile rank (``rank / (n_m - 1)``; a lone token gets 1).
   Ranks are robust to attention sinks, which would squash a min-max scale to one token.
-  Source §2.3: a visual token's attention is diluted by the number of visual tokens, so raw or
-  globally normalized scores make the model "read the text and ignore the image";
+  UniCache article §2.3: a visual token's attention is diluted by the number of visual tokens, so
+  raw or globally normalized scores make the model "read the text and ignore the image";
   ``normalize="global"`` ranks over all context tokens and exists only as that baseline.
 * c, cross-modal interaction: the window's cross-modal attention share (to/from the other
   modalities), min-max normalized within the modality (globally for the baseline).

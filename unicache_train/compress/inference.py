@@ -13,10 +13,11 @@ decoded tokens, new tokens of a call, head dim, vocab.
                                                                                    │
     decode step: new token ─► q,k,v ─► attends [dequantized segment (+log count) ; decoded K/V]
 
-This is what the in-loop training forward computes in parallel (DESIGN §6): for a sample
-split at ``s``, the logits of positions ``s - 1 .. T - 1`` of ``model(ids, split=s,
-compressor=c)`` equal :func:`decode_teacher_forced`'s (tested to 1e-5 in fp32, also with int8,
-because the packed storage dequantizes to exactly the values the seam attended).
+This is what the in-loop training forward computes in parallel
+(docs/architecture.md#in-loop-semantics): for a sample split at ``s``, the logits of positions
+``s - 1 .. T - 1`` of ``model(ids, split=s, compressor=c)`` equal :func:`decode_teacher_forced`'s
+(tested to 1e-5 in fp32, also with int8, because the packed storage dequantizes to exactly the
+values the seam attended).
 
 The prefill goes through the model's compression seam with every prompt token as context, so the
 compressor receives exactly the :class:`~unicache_train.compress.base.CompressionInput` it gets in

@@ -1,4 +1,4 @@
-"""Execution: merge redundant tokens, evict unimportant ones, keep the rest (source document 000
+"""Execution: merge redundant tokens, evict unimportant ones, keep the rest (UniCache article
 §6.1, §6.2, §5.3).
 
 Budget first, thresholds as priorities. Per sample and modality m with rate ``R_m`` (from the
@@ -36,7 +36,7 @@ which of the two averages is rescaled to the weighted mean norm of its members:
   ``log(count)`` bias and agreeing keys, ``count * exp(q.k) * mean(v)`` *is* the sum over the
   members (exact when the weights are equal), and any rescale of V inflates the output (two
   orthogonal unit values: by sqrt(2)).
-* ``"kv"``: keys and values (the source's §6.2 "L2 re-normalisation of merged K/V").
+* ``"kv"``: keys and values (the article's §6.2 "L2 re-normalisation of merged K/V").
 * ``"none"``: plain weighted averages.
 
 The default was chosen by measurement (``scripts/merge_rule_study.py``, README): attention
@@ -268,7 +268,7 @@ def merge_tokens(
             mean = mean * scale[..., None]
         return torch.where(many, mean.to(x.dtype), x)
 
-    # NOTE: K and V use the same plan and weights (source §6.2: merging K but not V breaks
+    # NOTE: K and V use the same plan and weights (UniCache article §6.2: merging K but not V breaks
     # the pairing of keys and values); only the norm rescale differs between them.
     k = fold(keys, rescale in ("k", "kv"))
     v = fold(values, rescale == "kv")

@@ -1,4 +1,4 @@
-"""Scenario presets (source document 000 §8.1, §8.2) and the text-style baseline.
+"""Scenario presets (UniCache article §8.1, §8.2) and the text-style baseline.
 
 Each function returns a fresh, validated :class:`UniCacheConfig`; overrides are keyword
 arguments of the function or plain attribute edits afterwards.

@@ -1,4 +1,4 @@
-"""Alignment protection (source document 000 §5.3).
+"""Alignment protection (UniCache article §5.3).
 
 Alignment tokens are the text tokens that point at an image region and the patches that text
 tokens look at. They are found from cross-modal attention: a context token is protected when

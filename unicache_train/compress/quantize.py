@@ -1,5 +1,5 @@
-"""Symmetric per-head quantization of the compressed segment, and KV byte accounting (source
-document 000 §6.3, §9 pitfall 3).
+"""Symmetric per-head quantization of the compressed segment, and KV byte accounting (UniCache
+article §6.3, §9 pitfall 3).
 
 Quantization runs last, after token compression (quantization noise would otherwise disturb the
 importance estimates). ``x ~= q * scale`` with ``scale = max|x| / qmax``, ``qmax = 127`` (int8)

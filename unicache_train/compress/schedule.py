@@ -1,4 +1,4 @@
-"""Per-layer compression rates on a smooth cosine curve (source document 000 §4.3, §9 pitfall 4).
+"""Per-layer compression rates on a smooth cosine curve (UniCache article §4.3, §9 pitfall 4).
 
 Shallow layers hold low-level, redundant features and are compressed hard; deep layers hold
 semantics and cross-modal fusion and are compressed gently. The source's thirds (0.75 / 0.60 /

@@ -5,7 +5,7 @@ hyperparameters). Steps read what earlier steps left (``scores``, ``layer_rate``
 change the layer's K/V (head merge) or emit the segment (merge/evict). Derived statistics
 (observation-window attention, neighbour similarity) are computed lazily from the *current*
 K/V and cached; a step that changes K/V structurally calls :meth:`CompressionState.invalidate`
-so that every later step recomputes them (source 000 §9 pitfall 1: masks and indices must
+so that every later step recomputes them (UniCache article §9 pitfall 1: masks and indices must
 follow a structural change).
 
 Shape legend: B, H, T, D = batch, KV heads, tokens, head dim.

@@ -1,7 +1,7 @@
 """xKV: cross-layer SVD compression of the KV cache.
 
-Chang et al., "xKV: Cross-Layer SVD for KV-Cache Compression" (arXiv 2503.18893); source
-document 004; DESIGN §7. Observation: the dominant singular vectors of adjacent layers' KV
+Chang et al., "xKV: Cross-Layer SVD for KV-Cache Compression" (arXiv 2503.18893);
+docs/architecture.md#xkv. Observation: the dominant singular vectors of adjacent layers' KV
 caches are aligned (see :mod:`unicache_train.compress.xkv_alignment`), so one token-side basis
 serves a group of layers.
 

@@ -25,7 +25,8 @@ Every batch is a dict of ``torch.long`` tensors:
 
 Notes for the trainer:
 
-* ``split == -1`` means the data gives no split: sample one (DESIGN §6) or run uncompressed.
+* ``split == -1`` means the data gives no split: sample one
+  (docs/architecture.md#in-loop-semantics) or run uncompressed.
 * The first continuation token is predicted at position ``split - 1`` (a context query, which
   attends to the full context): ``labels[b, split - 1]`` is the first answer token. A loss "on
   the continuation" should therefore start at ``split - 1``. To make even that prediction go

@@ -10,7 +10,7 @@ a textured band (stripes or a checker pattern) covering one to two rows or colum
 saturated shapes (circle, square, triangle, cross) sit in distinct cells. Most patches are
 therefore near-duplicates of their neighbours (uniform background), some are busy but carry
 nothing the questions ask about (texture), and a handful hold all the answers: the situation
-the source describes for real images (document 000 §1, §2.2).
+the UniCache article describes for real images (§1, §2.2).
 
 Task types (``TASKS``), all with answers that begin with a fixed lead-in, so the informative
 answer tokens are decoded *after* the prompt, from the (compressed) cache: the first answer token

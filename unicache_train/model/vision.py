@@ -11,7 +11,7 @@ image, vision width, decoder width, patch side in pixels.
 
 One visual token per patch (no pooling): a 48 x 48 image with 8 x 8 patches is 36 tokens, most
 of them background, which is the redundancy UniCache's vision budget is meant to exploit
-(source document 000 §1, §2.2). The projector is the LLaVA two-layer MLP (Liu et al., arXiv
+(the UniCache article §1, §2.2). The projector is the LLaVA two-layer MLP (Liu et al., arXiv
 2310.03744). Pure PyTorch, no Lightning.
 """
 

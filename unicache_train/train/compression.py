@@ -2,7 +2,7 @@
 
 Shape legend: B, T, V = batch, tokens, vocab.
 
-One training step with compression (DESIGN §6 "In-loop semantics")::
+One training step with compression (docs/architecture.md#in-loop-semantics)::
 
     batch ─► splits s [B] (data's split, else seeded random in [min_context, L - 1))
           ─► model(ids, split=s, compressor=c)     tokens < s: prefill, full causal attention

@@ -3,8 +3,8 @@
 Shape legend: B, H, Hk, T, M, D, V = batch, query heads, KV heads, tokens, segment entries, head
 dim, vocab.
 
-:func:`evaluate_compression` measures, for a model and a list of compression rates (DESIGN §6
-quality checks, §8 targets):
+:func:`evaluate_compression` measures, for a model and a list of compression rates
+(docs/architecture.md#quality-checks and #targets):
 
 * **perplexity on continuations**, uncompressed and compressed, on the same tokens: each eval
   sample is split (the data's split, e.g. a recall answer, else a seeded random one, as in
@@ -26,10 +26,11 @@ quality checks, §8 targets):
   distributions on continuation targets.
 * **KV bytes ratio**: bytes of the real compressed cache (packed int8/int4 + scales + merge
   counts / head maps) over the uncompressed 16-bit cache of the same prompts, all layers.
-* **quality checks** (DESIGN §6): ``kl_ok`` (attn KL < 0.1), ``ppl_ok`` (perplexity at most +5%),
-  ``acc_ok`` (recall accuracy at most 5 points lower), ``pass`` (all three). A check that
-  cannot measure anything reads n/a (``None``): ``acc_ok`` when the uncompressed model recalls
-  nothing, ``kl_ok`` without attention KL; ``pass`` is then n/a unless another check failed.
+* **quality checks** (docs/architecture.md#quality-checks): ``kl_ok`` (attn KL < 0.1), ``ppl_ok``
+  (perplexity at most +5%), ``acc_ok`` (recall accuracy at most 5 points lower), ``pass`` (all
+  three). A check that cannot measure anything reads n/a (``None``): ``acc_ok`` when the
+  uncompressed model recalls nothing, ``kl_ok`` without attention KL; ``pass`` is then n/a unless
+  another check failed.
 * **realized rate** (``rate_realized``): the fraction of context tokens really removed, next to
   the requested ``rate``, and their gap ``budget_shortfall`` (modality caps, protection).
 
@@ -83,7 +84,7 @@ __all__ = [
     "CSV_COLUMNS",
 ]
 
-#: DESIGN §6 quality checks.
+#: Quality checks (the UniCache article §7.1; docs/architecture.md#quality-checks).
 QUALITY_ATTN_KL_MAX = 0.1
 QUALITY_PPL_INCREASE_MAX = 0.05
 QUALITY_ACC_DROP_MAX = 0.05

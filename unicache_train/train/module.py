@@ -54,15 +54,15 @@ class LMModule(L.LightningModule):
     """Trains the decoder with AdamW, warmup + cosine LR and validation perplexity.
 
     With ``config.compress.enabled`` each training step runs the in-loop compression forward
-    (DESIGN §6): per-sample splits, context K/V compressed at every layer, loss on the
-    continuation (+ optional KL to the uncompressed forward of the same model), the rate
-    curriculum applied through ``compressor.set_rate_scale``. Logged: ``train/loss``,
+    (docs/architecture.md#in-loop-semantics): per-sample splits, context K/V compressed at every
+    layer, loss on the continuation (+ optional KL to the uncompressed forward of the same model),
+    the rate curriculum applied through ``compressor.set_rate_scale``. Logged: ``train/loss``,
     ``train/lm_loss``, ``train/kl`` (when ``kl_weight > 0``), ``compress/rate_scale`` and the
     compressor's stats averaged over layers (``compress/kv_bytes_ratio``,
     ``compress/keep_ratio/<modality>``, ...). Validation reports ``val/loss`` and ``val/ppl`` on
     every target (as without compression) and, on continuation targets, ``val/ppl_continuation``
-    (uncompressed), ``val/ppl_compressed`` (at the full rate) and ``compress/ppl_delta``
-    (relative increase, 0.03 = +3%).
+    (uncompressed), ``val/ppl_compressed`` (at the full rate) and ``compress/ppl_delta`` (relative
+    increase, 0.03 = +3%).
 
     The resolved :class:`RunConfig` is stored in the checkpoint's hyper-parameters (``config``),
     so a checkpoint alone rebuilds the model (see

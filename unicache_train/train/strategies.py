@@ -14,9 +14,9 @@ the wrapper and keeps the block boundaries as recompute boundaries; the sharding
 recompute wrapper leaves unchanged (checkpoints stay loadable into a plain ``Decoder``).
 There is no compile step yet; it belongs between the two.
 
-DeepSpeed on CPU. Lightning's :class:`DeepSpeedStrategy` refuses a CPU accelerator, yet
-DeepSpeed 0.19 runs ZeRO 0-3 on CPU over gloo, so :class:`CPUDeepSpeedStrategy` lets CI run the
-real ZeRO path with 2 processes. It changes exactly three things (DESIGN §9):
+DeepSpeed on CPU. Lightning's :class:`DeepSpeedStrategy` refuses a CPU accelerator, yet DeepSpeed
+0.19 runs ZeRO 0-3 on CPU over gloo, so :class:`CPUDeepSpeedStrategy` lets CI run the real ZeRO path
+with 2 processes. It changes exactly three things (docs/architecture.md#parallelism):
 
 1. ``setup_environment``: skips the CUDA-accelerator check (the rest is ``DDPStrategy``'s);
 2. ``setup_distributed``: skips ``_validate_device_index_selection`` (CPU devices have no index);
@@ -342,10 +342,10 @@ def deepspeed_config(config: RunConfig) -> dict[str, Any]:
         "wall_clock_breakdown": False,
     }
     if tc.precision == "bf16-mixed":
-        # NOTE: DeepSpeed's own "bf16" mode (what Lightning would switch on) stores every
-        # parameter in bf16, the mHC ones included, which DESIGN §4 keeps in fp32. Its
-        # torch-autocast mode keeps the parameters and optimizer fp32 and runs the matmuls
-        # (and the Linear gradients' reduce) in bf16; an explicit "bf16" key stops Lightning.
+        # NOTE: DeepSpeed's own "bf16" mode (what Lightning would switch on) stores every parameter
+        # in bf16, the mHC ones included, which must stay fp32 (docs/architecture.md#mhc). Its
+        # torch-autocast mode keeps the parameters and optimizer fp32 and runs the matmuls (and the
+        # Linear gradients' reduce) in bf16; an explicit "bf16" key stops Lightning.
         ds["bf16"] = {"enabled": False}
         ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     if tc.deepspeed_config is not None:
