@@ -27,7 +27,6 @@ recipe's options, the other sections are the fine-tune's :class:`RunConfig`).
 
 from __future__ import annotations
 
-import csv
 import math
 import sys
 import time
@@ -41,10 +40,6 @@ import yaml
 from unicache_train.config import ConfigError, apply_overrides, load_yaml
 
 DEFAULT_YAML = Path(__file__).with_suffix(".yaml")
-COLUMNS = (
-    "model", "method", "target_reduction", "rate", "kv_reduction", "task", "recall",
-    "recall_se", "n", "ppl", "ppl_se", "ppl_delta",
-)  # fmt: skip
 
 
 @dataclass
@@ -95,6 +90,8 @@ def parse_setting(spec: str) -> tuple[str, float]:
             f"{list(METHODS)} and REDUCTION > 1 (e.g. unicache@4)"
         )
     return method, value
+
+
 def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
     from unicache_train.compress import UniCacheCompressor
     from unicache_train.compress.base import IdentityCompressor
@@ -153,67 +150,6 @@ def _fmt_row(r: dict[str, Any]) -> str:
     )
 
 
-def write_results(rows: list[dict[str, Any]], out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with (out_dir / "results.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()})
-    lines = [
-        "| model | method | KV bytes reduction (measured) | task | recall ± se | ppl (Δ) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['method']} | {r['kv_reduction']:.2f}x | {r['task']} | "
-            f"{r['recall']:.2f} ± {r['recall_se']:.2f} | {r['ppl']:.2f} "
-            f"({100 * r['ppl_delta']:+.1f}%) |"
-        )
-    (out_dir / "results.md").write_text("\n".join(lines) + "\n")
-    _plot(rows, out_dir / "results.png")
-
-
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks = sorted({r["task"] for r in rows})
-    fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.2 * (len(tasks) + 1), 3.6))
-    lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in rows:
-        lines.setdefault((r["model"], r["method"]), []).append(r)
-    base = {(r["model"], r["task"]): r for r in rows if r["method"] == "none"}
-    for (model, method), rs in sorted(lines.items()):
-        if method == "none":
-            continue
-        for ax, task in zip(axes, tasks):
-            pts = [base[(model, task)]] + [r for r in rs if r["task"] == task]
-            pts.sort(key=lambda r: r["kv_reduction"])
-            ax.errorbar(
-                [p["kv_reduction"] for p in pts], [p["recall"] for p in pts],
-                yerr=[p["recall_se"] for p in pts], marker="o", capsize=2,
-                label=f"{model} / {method}",
-            )  # fmt: skip
-            ax.set_title(f"{task}: recall")
-        pts = sorted(
-            [base[(model, tasks[0])]] + [r for r in rs if r["task"] == tasks[0]],
-            key=lambda r: r["kv_reduction"],
-        )
-        axes[-1].plot([p["kv_reduction"] for p in pts], [p["ppl"] for p in pts], marker="o")
-        axes[-1].set_title("held-out text perplexity")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("KV bytes reduction (x, measured)")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # ------------------------------------------------------------------------------ fine-tuning
 def finetune(kind: str, ckpt_dir: Path, run: dict[str, Any], study, method_cfg, out: Path):
     """Fine-tune with the in-loop compressor (``compress``) or nothing compressed
@@ -257,6 +193,7 @@ def main(argv: list[str] | None = None) -> StudyResult:
     from unicache_train.data.tokenizer import load_tokenizer
     from unicache_train.eval import RecallTask
     from unicache_train.eval.budget import text_unicache
+    from unicache_train.eval.report import read_results, write_results
     from unicache_train.eval.text import reference_documents, text_blocks
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -294,8 +231,13 @@ def main(argv: list[str] | None = None) -> StudyResult:
     log(f"[{time.time() - t_start:.0f}s] calibrating settings on {tuple(calib.shape)} tokens")
     with torch.no_grad():
         settings = build_settings(model, calib, split, study)
-    rows = evaluate(model, tok, "base", settings, tasks, study, blocks, log)
-    write_results(rows, out)
+    header = [f"command: python recipes/smollm2_compress.py {' '.join(args)}"]
+    rows = []
+    for path in study.get("include") or []:
+        rows += read_results(path)  # rows of earlier runs (e.g. the base, evaluated once)
+    if study.get("evaluate_base", True):
+        rows += evaluate(model, tok, "base", settings, tasks, study, blocks, log)
+        write_results(rows, out, header)
     ft_method, ft_red = parse_setting(study["finetune_setting"])
     ft_cfg = None
     for s in settings:
@@ -313,7 +255,7 @@ def main(argv: list[str] | None = None) -> StudyResult:
         ft_model, export = finetune(kind, ckpt_dir, run, study, ft_cfg, out)
         log(f"[{time.time() - t_start:.0f}s] exported {export}")
         rows += evaluate(ft_model, tok, f"{kind} fine-tune", settings, tasks, study, blocks, log)
-        write_results(rows, out)
+        write_results(rows, out, header)
         del ft_model
     log(f"[{time.time() - t_start:.0f}s] done; results in {out}/results.csv, .md, .png")
     print((out / "results.md").read_text())

@@ -214,3 +214,21 @@ def test_missing_checkpoint_error_names_the_fetch_command(tmp_path):
 
     with pytest.raises(CheckpointNotFetched, match="unicache-train fetch --name smollm2"):
         fetched_dir("smollm2", root=tmp_path)
+
+
+def test_results_round_trip_through_csv_and_render(tmp_path):
+    from unicache_train.eval.report import read_results, write_results
+
+    rows = [
+        {"model": "base", "method": m, "target_reduction": t, "rate": r, "kv_reduction": k,
+         "task": "recall8", "recall": a, "recall_se": 0.05, "n": 32.0, "ppl": p,
+         "ppl_se": 0.1, "ppl_delta": d}
+        for m, t, r, k, a, p, d in [("none", 1.0, 0.0, 1.0, 0.4, 10.0, 0.0),
+                                    ("unicache", 4.0, 0.52, 4.04, 0.1, 12.0, 0.2)]
+    ]  # fmt: skip
+    write_results(rows, tmp_path, ["command: x"])
+    assert (tmp_path / "results.csv").read_text().startswith("# command: x\n")
+    assert read_results(tmp_path / "results.csv") == rows
+    md = (tmp_path / "results.md").read_text()
+    assert "| base | unicache | 4.04x | recall8 | 0.10 ± 0.05 (n=32) | 12.00 (+20.0%) |" in md
+    assert (tmp_path / "results.png").stat().st_size > 0

