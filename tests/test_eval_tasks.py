@@ -232,3 +232,22 @@ def test_results_round_trip_through_csv_and_render(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| base | unicache | 4.04x | recall8 | 0.10 ± 0.05 (n=32) | 12.00 (+20.0%) |" in md
     assert (tmp_path / "results.png").stat().st_size > 0
+
+
+@torch.no_grad()
+def test_logits_at_equals_the_gathered_full_logits_and_checks_its_input():
+    model = byte_model()
+    ids = torch.randint(0, 259, (2, 12))
+    at = torch.tensor([[3, 11], [0, 7]])
+    full = model(ids).logits
+    got = model(ids, logits_at=at).logits
+    assert got.shape == (2, 2, 259)
+    torch.testing.assert_close(got, full.gather(1, at[..., None].expand(-1, -1, 259)))
+    split = torch.tensor([6, 9])
+    comp = model(ids, split=split, compressor=IdentityCompressor()).logits
+    torch.testing.assert_close(
+        model(ids, split=split, compressor=IdentityCompressor(), logits_at=at).logits,
+        comp.gather(1, at[..., None].expand(-1, -1, 259)),
+    )
+    with pytest.raises(ValueError, match="logits_at of shape"):
+        model(ids, logits_at=torch.tensor([3, 4]))

@@ -394,6 +394,7 @@ def prefill_compressed(
     ids = input_ids[:, :P]
     mods = modality_ids[:, :P] if modality_ids is not None else None
     capture = _CaptureSegments(compressor)
+    last_pos = (split_t - 1)[:, None]  # [B, 1]: only the last prompt token's logits are needed
     if inputs_embeds is not None:
         if tuple(inputs_embeds.shape[:2]) != tuple(input_ids.shape):
             raise ValueError(
@@ -401,15 +402,15 @@ def prefill_compressed(
                 f"{tuple(input_ids.shape)}: expected [B, P, C]"
             )
         embeds = inputs_embeds[:, :P]
-        out = model(inputs_embeds=embeds, modality_ids=mods, split=split_t, compressor=capture)
+        out = model(inputs_embeds=embeds, modality_ids=mods, split=split_t, compressor=capture,
+                    logits_at=last_pos)
     else:
-        out = model(ids, modality_ids=mods, split=split_t, compressor=capture)
+        out = model(ids, modality_ids=mods, split=split_t, compressor=capture, logits_at=last_pos)
     cache = CompressedKVCache(model.config.num_hidden_layers, cache_dtype_bytes)
     for layer_idx, (seg, n_ctx) in capture.segments.items():
         cache.set_segment(layer_idx, StoredSegment.from_segment(seg, n_ctx))
     cache.stats = out.compression
-    last = out.logits.gather(1, (split_t - 1)[:, None, None].expand(B, 1, out.logits.shape[-1]))
-    return cache, last[:, 0]  # [B, V]
+    return cache, out.logits[:, 0]  # [B, V]
 
 
 def _decode(

@@ -135,18 +135,19 @@ def run_text_perplexity(
     for s in range(0, N, batch_size):
         ids = blocks[s : s + batch_size].to(device)
         B = ids.shape[0]
+        at = torch.arange(context - 1, T - 1, device=device).expand(B, -1)  # scored positions
         if compressor is None:
-            out = model(ids)
+            out = model(ids, logits_at=at)
         else:
             split = torch.full((B,), context, dtype=torch.long, device=device)
-            out = model(ids, split=split, compressor=compressor)
+            out = model(ids, split=split, compressor=compressor, logits_at=at)
             for st in out.compression or []:
                 if "kv_bytes" not in st:  # the identity compressor stores nothing new
                     continue
                 k, r = float(st["kv_bytes"]), float(st["kv_bytes_ratio"])
                 res.kv_bytes += k
                 res.baseline_bytes += k / r if r > 0 else 0.0
-        logits = out.logits[:, context - 1 : T - 1].float()
+        logits = out.logits.float()  # [B, T - context, V]
         nll = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), ids[:, context:].reshape(-1), reduction="none"
         ).view(B, -1)

@@ -132,6 +132,7 @@ class Decoder(nn.Module):
         cache: KVCache | None = None,
         split: torch.Tensor | None = None,
         compressor: KVCompressor | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> DecoderOutput:
         """Run the decoder.
 
@@ -147,9 +148,13 @@ class Decoder(nn.Module):
             compressor: the KV compressor called at the attention seam. A cross-layer one
                 (xKV, ``cross_layer = True``) is prepared first: the context is prefilled
                 through every layer and its factors fitted, then this forward runs with it.
+            logits_at: [B, K] long positions whose logits are wanted (default: every position).
+                The LM head is applied to those positions only: a prefill that needs the last
+                prompt token's logits skips the ``T x V`` head product (a third of a 135M
+                model's FLOPs at its 49k vocabulary).
 
         Returns:
-            :class:`DecoderOutput` with logits [B, T, V].
+            :class:`DecoderOutput` with logits [B, T, V] ([B, K, V] with ``logits_at``).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] or inputs_embeds [B, T, C]")
@@ -172,7 +177,7 @@ class Decoder(nn.Module):
             try:
                 return self.forward(input_ids, inputs_embeds=inputs_embeds,
                                     modality_ids=modality_ids, positions=positions, split=split,
-                                    compressor=compressor)
+                                    compressor=compressor, logits_at=logits_at)
             finally:
                 cross.release()
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, C]
@@ -192,7 +197,14 @@ class Decoder(nn.Module):
             x = layer(x, **kwargs)
         if self.hc_head is not None:
             x = self.hc_head(x)  # [B, T, n, C] -> [B, T, C]
-        logits = self.lm_head(self.norm(x))  # [B, T, V]
+        if logits_at is not None:
+            if logits_at.dim() != 2 or logits_at.shape[0] != B or logits_at.dtype != torch.long:
+                raise ValueError(
+                    f"logits_at of shape {tuple(logits_at.shape)} and dtype {logits_at.dtype}: "
+                    f"expected a long tensor [B, K] = [{B}, K] of positions in [0, {T})"
+                )
+            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, C]
+        logits = self.lm_head(self.norm(x))  # [B, T or K, V]
         return DecoderOutput(logits=logits, compression=stats)
 
     # ---------------------------------------------------------------------------- generation

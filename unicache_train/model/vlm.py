@@ -137,6 +137,7 @@ class VisionLanguageModel(Decoder):
         cache: KVCache | None = None,
         split: torch.Tensor | None = None,
         compressor: KVCompressor | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> DecoderOutput:
         """As :meth:`Decoder.forward`, plus images.
 
@@ -167,4 +168,5 @@ class VisionLanguageModel(Decoder):
             cache=cache,
             split=split,
             compressor=compressor,
+            logits_at=logits_at,
         )
