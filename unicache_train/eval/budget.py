@@ -40,7 +40,8 @@ def measured_reduction(model, ids: torch.Tensor, split: torch.Tensor, compressor
     Args:
         ids: [B, T] calibration tokens; split: [B] context lengths.
     """
-    out = model(ids, split=split, compressor=compressor)
+    last = torch.full((ids.shape[0], 1), ids.shape[1] - 1, dtype=torch.long, device=ids.device)
+    out = model(ids, split=split, compressor=compressor, logits_at=last)  # logits unused
     kv = base = 0.0
     for st in out.compression or []:
         k, r = float(st["kv_bytes"]), float(st["kv_bytes_ratio"])
