@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import yaml
 
-from unicache_train.config import ConfigError, apply_overrides, load_yaml
+from unicache_train.config import ConfigError, apply_overrides, load_yaml, pop_config_path
 
 DEFAULT_YAML = Path(__file__).with_suffix(".yaml")
 
@@ -59,14 +59,7 @@ class StudyResult:
 
 
 def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    args = list(argv)
-    path = DEFAULT_YAML
-    if "--config" in args:
-        i = args.index("--config")
-        if i + 1 >= len(args):
-            raise ConfigError("--config needs a value")
-        path = Path(args[i + 1])
-        del args[i : i + 2]
+    path, args = pop_config_path(argv, DEFAULT_YAML)
     data = load_yaml(Path(path).read_text()) or {}
     apply_overrides(data, args)
     study = data.pop("study", None) or {}

@@ -628,6 +628,23 @@ class RunConfig:
         return cls.from_dict(data)
 
 
+def pop_config_path(args: list[str], default: str | Path) -> tuple[Path, list[str]]:
+    """Split ``--config FILE.yaml`` off command-line arguments.
+
+    Returns:
+        (the YAML path, ``default`` when the flag is absent; the other arguments).
+    """
+    rest = list(args)
+    path = Path(default)
+    if "--config" in rest:
+        i = rest.index("--config")
+        if i + 1 >= len(rest):
+            raise ConfigError("--config needs a YAML path")
+        path = Path(rest[i + 1])
+        del rest[i : i + 2]
+    return path, rest
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` overrides (values parsed as YAML, :func:`load_yaml`) to a nested
     dict in place."""

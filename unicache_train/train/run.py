@@ -13,7 +13,7 @@ import lightning as L
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 
-from unicache_train.config import ConfigError, RunConfig
+from unicache_train.config import ConfigError, RunConfig, pop_config_path
 from unicache_train.train.module import LMModule
 from unicache_train.train.strategies import parallelize_model
 
@@ -208,12 +208,6 @@ def run_recipe(default_yaml: str | Path, argv: list[str] | None = None) -> L.Tra
               f"[section.field=value ...]\n\ndefault config: {default_yaml}\n"
               f"sections: model, data, train, logging (see `unicache-train fit --help`)")
         raise SystemExit(0)
-    path = Path(default_yaml)
-    if "--config" in args:
-        i = args.index("--config")
-        if i + 1 >= len(args):
-            raise ConfigError("--config needs a YAML path")
-        path = Path(args[i + 1])
-        del args[i : i + 2]
+    path, args = pop_config_path(args, default_yaml)
     config = RunConfig.load(path, overrides=args)
     return fit(config)
