@@ -17,6 +17,9 @@ split at the recall answers, random elsewhere), as in ``recipes/finetune_compres
 Usage:
   python scripts/bench_compress_overhead.py                    # the tiny recipe model, B=16, T=256
   python scripts/bench_compress_overhead.py --repeats 9 --batch-size 8 --no-kl
+  # the real checkpoint (unicache-train fetch --name smollm2), plus xKV in the loop:
+  python scripts/bench_compress_overhead.py --hf smollm2 --batch-size 4 --seq-len 192 \
+      --no-kl --xkv --repeats 3 --warmup 1 --batches 2 --threads 1
 
 Appends one row per case to ``scripts/results/bench_compress_overhead.csv`` with the machine.
 Never imported by the library.
@@ -86,9 +89,9 @@ def setup_plain(args, state: dict[str, torch.Tensor]) -> Case:
     return Case("plain", step)
 
 
-def _setup_inloop(name: str, kl_weight: float) -> Callable:
+def _setup_inloop(name: str, kl_weight: float, method: str = "unicache") -> Callable:
     def setup(args, state: dict[str, torch.Tensor]) -> Case:
-        module = LMModule(_config(args, enabled=True, kl_weight=kl_weight))
+        module = LMModule(_config(args, enabled=True, kl_weight=kl_weight, method=method))
         module.model.load_state_dict(state)
         opt = _optimizer(module)
         case = Case(name, lambda b: 0.0)
@@ -108,23 +111,47 @@ def _setup_inloop(name: str, kl_weight: float) -> Callable:
     return setup
 
 
-SETUPS = [setup_plain, _setup_inloop("inloop", 0.0), _setup_inloop("inloop_kl", 0.5)]
+SETUPS = [
+    setup_plain,
+    _setup_inloop("inloop", 0.0),
+    _setup_inloop("inloop_kl", 0.5),
+    _setup_inloop("inloop_xkv", 0.0, "xkv"),
+]
 
 
-def _config(args, enabled: bool, kl_weight: float = 0.0) -> RunConfig:
+def _hf_dir(args):
+    """The checkpoint directory of ``--hf`` (a fetchable name or a local HF directory)."""
+    from unicache_train.checkpoint.gguf import KNOWN, fetched_dir
+
+    return fetched_dir(args.hf) if args.hf in KNOWN else Path(args.hf)
+
+
+def _model_config(args) -> ModelConfig:
+    if args.hf:
+        import json
+
+        from unicache_train.checkpoint.hf import from_hf_config
+
+        return from_hf_config(json.loads((_hf_dir(args) / "config.json").read_text()))[0]
+    return ModelConfig(
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
+def _config(args, enabled: bool, kl_weight: float = 0.0, method: str = "unicache") -> RunConfig:
     return RunConfig(
-        model=ModelConfig(
-            hidden_size=args.hidden_size,
-            intermediate_size=args.intermediate_size,
-            num_hidden_layers=args.layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        ),
+        model=_model_config(args),
         data=_data(args),
         compress=CompressionTrainConfig(
             enabled=enabled,
+            method=method,
             preset="text_style_baseline",
             unicache={"target_rate": args.rate, "quantize": {"bits": args.bits}},
+            xkv={"rank_mode": "ratio", "ratio": args.xkv_ratio},
             min_context=32,
             kl_weight=kl_weight,
         ),
@@ -136,6 +163,7 @@ def _data(args) -> DataConfig:
         seq_len=args.seq_len,
         batch_size=args.batch_size,
         pack=False,
+        tokenizer=str(_hf_dir(args)) if getattr(args, "hf", None) else "byte",
         synthetic=SyntheticDataConfig(num_stories=200, num_recall=200),
     )
 
@@ -159,9 +187,15 @@ def run(args) -> list[Case]:
     dm.setup("fit")
     it = iter(dm.train_dataloader())
     batches = [next(it) for _ in range(args.batches)]
-    state = LMModule(_config(args, enabled=False)).model.state_dict()
+    if args.hf:
+        from unicache_train.checkpoint.hf import import_hf
+
+        state = import_hf(_hf_dir(args))[0].state_dict()
+    else:
+        state = LMModule(_config(args, enabled=False)).model.state_dict()
     cases = [setup(args, state) for setup in SETUPS]
     cases = [c for c in cases if args.kl or c.name != "inloop_kl"]
+    cases = [c for c in cases if args.xkv or c.name != "inloop_xkv"]
     for case in cases:  # warm-up: allocator, thread pools, first-call paths
         for b in batches[: args.warmup]:
             case.step(b)
@@ -195,8 +229,10 @@ def report(args, cases: list[Case]) -> None:
                 "kv_bytes_ratio": f"{c.kv_bytes_ratio:.3f}",
             }
         )
+    mc = _model_config(args)
     print(
-        f"\ntraining step, {args.layers} layers x {args.hidden_size}, B={args.batch_size}, "
+        f"\ntraining step, {args.hf or 'tiny'}: {mc.num_hidden_layers} layers x "
+        f"{mc.hidden_size}, B={args.batch_size}, "
         f"T={args.seq_len}, UniCache text_style_baseline rate {args.rate}, int{args.bits}, "
         f"{args.repeats} repeats (round-robin)"
     )
@@ -223,8 +259,8 @@ def report(args, cases: list[Case]) -> None:
         dt.datetime.now().isoformat(timespec="seconds"),
         machine_description(),
         f"{load:.2f}",
-        args.layers,
-        args.hidden_size,
+        mc.num_hidden_layers if not args.hf else f"{args.hf} ({mc.num_hidden_layers})",
+        mc.hidden_size,
         args.batch_size,
         args.seq_len,
         args.rate,
@@ -254,6 +290,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--no-kl", dest="kl", action="store_false", help="skip the inloop_kl case")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--hf", default=None, help="a fetched checkpoint name (smollm2) or HF dir")
+    p.add_argument("--xkv", action="store_true", help="also xKV in the loop (inloop_xkv)")
+    p.add_argument("--xkv-ratio", type=float, default=4.0, help="xKV KV-bytes reduction")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
