@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install fetch demo demo-tiny test test-slow lint bench
+.PHONY: install fetch demo demo-tiny test test-slow lint bench kvpress-baseline
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,16 @@ demo: fetch
 # The fast smoke path: pretrain a tiny byte-level model, evaluate, fine-tune, evaluate (~5-10 min).
 demo-tiny: install
 	OMP_NUM_THREADS=1 $(BIN)/python recipes/finetune_compress.py
+
+# NVIDIA kvpress presses on the base SmolLM2, the same held-out prompts (its own venv: kvpress
+# pins transformers < 5.3). Pass MODEL=DIR for one of our exports (TOKENIZER=DIR if it has none).
+SMOLLM2 = $$($(BIN)/python -c "from unicache_train.checkpoint.gguf import fetched_dir; print(fetched_dir('smollm2'))")
+kvpress-baseline: fetch
+	scripts/kvpress_env.sh
+	$(BIN)/python scripts/kvpress_baseline.py prompts --out runs/kvpress/prompts.jsonl --num 32
+	.venv-kvpress/bin/python scripts/kvpress_baseline.py run --prompts runs/kvpress/prompts.jsonl \
+		--model $(or $(MODEL),$(SMOLLM2)) --tokenizer $(or $(TOKENIZER),$(SMOLLM2)) \
+		--name $(or $(NAME),base) --reduction $(or $(REDUCTION),4) --out runs/kvpress/kvpress.csv
 
 test: fetch
 	$(BIN)/python -m pytest -q
