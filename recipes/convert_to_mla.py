@@ -48,6 +48,7 @@ from unicache_train.config import (
     _range,
     apply_overrides,
     load_yaml,
+    pop_config_path,
 )
 from unicache_train.model import Decoder
 from unicache_train.model.convert_mla import convert_to_mla_with_report, kv_elements_per_token
@@ -295,14 +296,7 @@ def _print_table(result: dict[str, Any]) -> None:
 
 def cli(argv: list[str]) -> None:
     """``[--config FILE.yaml] [section.field=value ...]`` -> the run."""
-    args = list(argv)
-    path = Path(__file__).with_suffix(".yaml")
-    if "--config" in args:
-        i = args.index("--config")
-        if i + 1 >= len(args):
-            raise ConfigError("--config needs a YAML path")
-        path = Path(args[i + 1])
-        del args[i : i + 2]
+    path, args = pop_config_path(argv, Path(__file__).with_suffix(".yaml"))
     omp = os.environ.get("OMP_NUM_THREADS")
     command = ((f"OMP_NUM_THREADS={omp} " if omp else "") + "python recipes/convert_to_mla.py " +
                shlex.join(argv)).rstrip()  # fmt: skip
