@@ -27,15 +27,15 @@ recipe's options, the other sections are the fine-tune's :class:`RunConfig`).
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from unicache_train.config import ConfigError, apply_overrides, load_yaml, pop_config_path
 
@@ -50,12 +50,7 @@ class Setting:
     target: float  # KV-bytes reduction asked for (1: uncompressed)
     rate: float  # UniCache removal rate (nan for xKV / uncompressed)
     build: Any  # () -> compressor
-    calibrated: float = 1.0  # reduction measured on the calibration batch
-
-
-@dataclass
-class StudyResult:
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    unicache: Any = None  # the UniCacheConfig of a UniCache setting (the in-loop fine-tune's)
 
 
 def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -102,7 +97,8 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
                 return UniCacheCompressor(text_unicache(rate, pool))
 
             rate, got = rate_for_reduction(model, calib_ids, calib_split, make, red)
-            out.append(Setting(method, red, rate, lambda r=rate, m=make: m(r), got))
+            cfg = text_unicache(rate, pool)
+            out.append(Setting(method, red, rate, lambda c=cfg: UniCacheCompressor(c), cfg))
         else:
             xcfg = XKVConfig(rank_mode="ratio", ratio=red, group_size=2)
             got = measured_reduction(model, calib_ids, calib_split, XKVCompressor(xcfg))
@@ -116,14 +112,19 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
 def evaluate(model, tok, name, settings, tasks, study, blocks, log) -> list[dict[str, Any]]:
     from unicache_train.eval import recall_records, run_recall, run_text_perplexity
 
+    records = {
+        t.name: recall_records(t, int(study["num_recall"]), int(study["recall_seed"]))
+        for t in tasks
+    }
     rows, ppl0 = [], None
     for s in settings:
         t0 = time.time()
         text = run_text_perplexity(model, blocks, int(study["text_context"]), s.build())
         ppl0 = text.perplexity if s.method == "none" else ppl0
         for task in tasks:
-            recs = recall_records(task, int(study["num_recall"]), int(study["recall_seed"]))
-            r = run_recall(model, tok, recs, s.build(), batch_size=int(study["batch_size"]))
+            r = run_recall(
+                model, tok, records[task.name], s.build(), batch_size=int(study["batch_size"])
+            )
             rows.append({
                 "model": name, "method": s.method, "target_reduction": s.target,
                 "rate": s.rate, "kv_reduction": r.bytes_reduction, "task": task.name,
@@ -160,7 +161,7 @@ def finetune(kind: str, ckpt_dir: Path, run: dict[str, Any], study, method_cfg, 
         seed=0,
         text_fraction=float(study["text_fraction"]),
     )
-    run = yaml.safe_load(yaml.safe_dump(run))  # a deep copy
+    run = copy.deepcopy(run)
     run.setdefault("data", {})["source"] = str(data_file)
     run.setdefault("train", {})["out_dir"] = str(out / kind)
     comp = run.setdefault("compress", {})
@@ -179,13 +180,12 @@ def finetune(kind: str, ckpt_dir: Path, run: dict[str, Any], study, method_cfg, 
     return model, export
 
 
-def main(argv: list[str] | None = None) -> StudyResult:
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from unicache_train.checkpoint.gguf import KNOWN, fetch
     from unicache_train.checkpoint.hf import import_hf
     from unicache_train.data.recall_mix import EVAL_SEED_FLOOR
     from unicache_train.data.tokenizer import load_tokenizer
     from unicache_train.eval import RecallTask
-    from unicache_train.eval.budget import text_unicache
     from unicache_train.eval.report import read_results, write_results
     from unicache_train.eval.text import reference_documents, text_blocks
 
@@ -232,10 +232,9 @@ def main(argv: list[str] | None = None) -> StudyResult:
         rows += evaluate(model, tok, "base", settings, tasks, study, blocks, log)
         write_results(rows, out, header)
     ft_method, ft_red = parse_setting(study["finetune_setting"])
-    ft_cfg = None
-    for s in settings:
-        if s.method == ft_method and s.target == ft_red and ft_method != "xkv":
-            ft_cfg = text_unicache(s.rate, int(study["span_pool"]) if "span" in s.method else 0)
+    ft_cfg = next(
+        (s.unicache for s in settings if s.method == ft_method and s.target == ft_red), None
+    )
     for kind in study["finetune"]:
         if kind not in ("compress", "control"):
             raise ConfigError(f"study.finetune: {kind!r} is not known; allowed compress, control")
@@ -252,7 +251,7 @@ def main(argv: list[str] | None = None) -> StudyResult:
         del ft_model
     log(f"[{time.time() - t_start:.0f}s] done; results in {out}/results.csv, .md, .png")
     print((out / "results.md").read_text())
-    return StudyResult(rows)
+    return rows
 
 
 if __name__ == "__main__":

@@ -251,3 +251,11 @@ def test_logits_at_equals_the_gathered_full_logits_and_checks_its_input():
     )
     with pytest.raises(ValueError, match="logits_at of shape"):
         model(ids, logits_at=torch.tensor([3, 4]))
+
+
+def test_unicache_at_rate_refuses_an_unknown_quantizer():
+    from unicache_train.compress.presets import text_style_baseline
+    from unicache_train.eval.budget import unicache_at_rate
+
+    with pytest.raises(ValueError, match=r"quantize='int2' is not allowed; choose one of"):
+        unicache_at_rate(text_style_baseline(), 0.5, "int2")

@@ -230,7 +230,7 @@ def fetch(name: str, root: str | Path | None = None, force: bool = False) -> Pat
     """
     ckpt = _known(name)
     target = checkpoint_dir(name, root)
-    if not force and gguf_path(name, root).is_file():
+    if not force:
         try:
             return fetched_dir(name, root)
         except CheckpointNotFetched:

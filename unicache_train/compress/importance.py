@@ -128,7 +128,9 @@ def pool_scores(
     """
     neg = torch.finfo(scores.dtype).min
     out = torch.full_like(scores, neg)
-    for m in modality_ids[context_mask].unique().tolist():
+    # NOTE: every modality id, not the ones present: finding those would sync the device on
+    # the per-layer hot path; an absent modality pools an all-masked row, which is discarded.
+    for m in range(NUM_MODALITIES):
         keep = context_mask & (modality_ids == m)
         x = torch.where(keep, scores, torch.full_like(scores, neg))
         pooled = torch.nn.functional.max_pool1d(

@@ -1,23 +1,54 @@
 """Compressor settings at a given KV-bytes reduction, calibrated on the real cache.
 
 Reductions are always ``uncompressed 16-bit bytes / stored bytes`` (``4.0`` = 4x fewer KV
-bytes), measured from the compressor's own byte accounting on a calibration batch (packed
-storage, scales and metadata included), never derived from a nominal rate.
+bytes), summed from the compressor's per-layer stats on a calibration batch (packed payload and
+quantization scales; :meth:`~unicache_train.compress.inference.CompressedKVCache.kv_bytes`, which
+the recall task reports, also counts the positions and counts of each entry), never derived
+from a nominal rate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["measured_reduction", "rate_for_reduction", "text_unicache"]
+from unicache_train.compress.config import MAX_RATE
+
+__all__ = [
+    "stats_bytes",
+    "measured_reduction",
+    "rate_for_reduction",
+    "unicache_at_rate",
+    "text_unicache",
+]
+
+_BITS = {"none": None, "int8": 8, "int4": 4}
 
 
-def text_unicache(rate: float, pool: int = 0, bits: int | None = 8):
+def unicache_at_rate(base: Any, rate: float, quantize: str = "config") -> Any:
+    """A copy of UniCache config ``base`` at target ``rate`` (full ``rate_scale``), with the
+    quantizer overridden unless ``quantize == "config"`` (``"none"``, ``"int8"``, ``"int4"``)."""
+    from unicache_train.compress.config import UniCacheConfig
+
+    d = base.to_dict()
+    d["target_rate"] = float(rate)
+    d["rate_scale"] = 1.0
+    if quantize != "config":
+        if quantize not in _BITS:
+            raise ValueError(
+                f"quantize={quantize!r} is not allowed; choose one of {['config', *_BITS]}"
+            )
+        bits = _BITS[quantize]
+        d["quantize"] = {**d["quantize"], "bits": bits, "enabled": bits is not None}
+    return UniCacheConfig.from_dict(d)
+
+
+def text_unicache(rate: float, pool: int = 0, quantize: str = "int8") -> Any:
     """UniCache for text-only contexts at removal ``rate``: the text-style preset (no
-    modality budgets, so no per-modality cap stops the rate), ``bits`` quantization, span
-    pooling of the scores over ``pool`` tokens (0: none).
+    modality budgets, so no per-modality cap stops the rate), ``quantize``, span pooling of
+    the scores over ``pool`` tokens (0: none).
 
     Returns:
         A :class:`~unicache_train.compress.config.UniCacheConfig`.
@@ -25,28 +56,43 @@ def text_unicache(rate: float, pool: int = 0, bits: int | None = 8):
     from unicache_train.compress.config import UniCacheConfig
     from unicache_train.compress.presets import text_style_baseline
 
-    d = text_style_baseline().to_dict()
-    d["target_rate"] = float(rate)
-    d["rate_scale"] = 1.0
-    d["quantize"] = {**d["quantize"], "enabled": bits is not None, "bits": bits}
+    d = unicache_at_rate(text_style_baseline(), rate, quantize).to_dict()
     d["importance"] = {**d["importance"], "pool": int(pool)}
     return UniCacheConfig.from_dict(d)
 
 
-@torch.no_grad()
-def measured_reduction(model, ids: torch.Tensor, split: torch.Tensor, compressor) -> float:
-    """Uncompressed 16-bit bytes / stored bytes of one in-loop forward of ``compressor``.
-
-    Args:
-        ids: [B, T] calibration tokens; split: [B] context lengths.
-    """
-    last = torch.full((ids.shape[0], 1), ids.shape[1] - 1, dtype=torch.long, device=ids.device)
-    out = model(ids, split=split, compressor=compressor, logits_at=last)  # logits unused
+def stats_bytes(per_layer: Sequence[dict[str, torch.Tensor]]) -> tuple[float, float]:
+    """(stored KV bytes, uncompressed 16-bit bytes) of one compressed forward, from the
+    compressor's per-layer stats (``kv_bytes`` over ``kv_bytes_ratio``); layers that report no
+    bytes (identity segments) are skipped."""
     kv = base = 0.0
-    for st in out.compression or []:
+    for st in per_layer:
+        if "kv_bytes" not in st:
+            continue
         k, r = float(st["kv_bytes"]), float(st["kv_bytes_ratio"])
         kv += k
         base += k / r if r > 0 else 0.0
+    return kv, base
+
+
+@torch.no_grad()
+def measured_reduction(
+    model,
+    ids: torch.Tensor,
+    split: torch.Tensor,
+    compressor,
+    modality_ids: torch.Tensor | None = None,
+) -> float:
+    """Uncompressed 16-bit bytes / stored bytes of one in-loop forward of ``compressor``.
+
+    Args:
+        ids: [B, T] calibration tokens; split: [B] context lengths; modality_ids: [B, T].
+    """
+    last = torch.full((ids.shape[0], 1), ids.shape[1] - 1, dtype=torch.long, device=ids.device)
+    out = model(  # logits unused: only the compressor's byte stats are read
+        ids, modality_ids=modality_ids, split=split, compressor=compressor, logits_at=last
+    )
+    kv, base = stats_bytes(out.compression or [])
     if kv <= 0:
         raise ValueError(f"{compressor!r} reported no stored bytes")
     return base / kv
@@ -60,7 +106,8 @@ def rate_for_reduction(
     build: Callable[[float], object],
     reduction: float,
     *,
-    max_rate: float = 0.95,
+    modality_ids: torch.Tensor | None = None,
+    max_rate: float = MAX_RATE,
     iters: int = 7,
 ) -> tuple[float, float]:
     """The smallest removal rate whose measured reduction reaches ``reduction`` (bisection).
@@ -77,12 +124,12 @@ def rate_for_reduction(
     if reduction <= 1.0:
         raise ValueError(f"reduction={reduction!r} is out of range; allowed (1, inf)")
     lo, hi = 0.0, max_rate
-    at_hi = measured_reduction(model, ids, split, build(hi))
+    at_hi = measured_reduction(model, ids, split, build(hi), modality_ids)
     if at_hi < reduction:
         return hi, at_hi
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
-        got = measured_reduction(model, ids, split, build(mid))
+        got = measured_reduction(model, ids, split, build(mid), modality_ids)
         if got < reduction:
             lo = mid
         else:

@@ -76,15 +76,11 @@ class TextResult:
         nll_sum: summed NLL (nats) over ``tokens`` continuation tokens.
         tokens: scored tokens.
         block_nll: per-block mean NLL (for the standard error across blocks).
-        kv_bytes, baseline_bytes: stored vs uncompressed 16-bit context bytes (compressor
-            stats; 0 when the compressor reports none).
     """
 
     nll_sum: float = 0.0
     tokens: int = 0
     block_nll: list[float] | None = None
-    kv_bytes: float = 0.0
-    baseline_bytes: float = 0.0
 
     @property
     def nll(self) -> float:
@@ -141,12 +137,6 @@ def run_text_perplexity(
         else:
             split = torch.full((B,), context, dtype=torch.long, device=device)
             out = model(ids, split=split, compressor=compressor, logits_at=at)
-            for st in out.compression or []:
-                if "kv_bytes" not in st:  # the identity compressor stores nothing new
-                    continue
-                k, r = float(st["kv_bytes"]), float(st["kv_bytes_ratio"])
-                res.kv_bytes += k
-                res.baseline_bytes += k / r if r > 0 else 0.0
         logits = out.logits.float()  # [B, T - context, V]
         nll = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), ids[:, context:].reshape(-1), reduction="none"

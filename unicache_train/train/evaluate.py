@@ -58,6 +58,12 @@ import torch.nn.functional as F
 
 from unicache_train.compress.base import IdentityCompressor, KVCompressor, KVSegment
 from unicache_train.config import ConfigError, DataConfig, _choice, _int, _range
+from unicache_train.eval.budget import (
+    measured_reduction,
+    rate_for_reduction,
+    stats_bytes,
+    unicache_at_rate,
+)
 from unicache_train.model import Decoder
 from unicache_train.train.compression import (
     IGNORE_INDEX,
@@ -225,18 +231,7 @@ class CompressionEvalConfig:
         _int(self, "min_context", 1)
 
 
-def unicache_at_rate(base: Any, rate: float, quantize: str = "config") -> Any:
-    """A copy of UniCache config ``base`` at target ``rate`` (full ``rate_scale``), with the
-    quantizer overridden unless ``quantize == "config"``."""
-    from unicache_train.compress.config import UniCacheConfig
-
-    d = base.to_dict()
-    d["target_rate"] = float(rate)
-    d["rate_scale"] = 1.0
-    if quantize != "config":
-        bits = {"none": None, "int8": 8, "int4": 4}[quantize]
-        d["quantize"] = {**d["quantize"], "bits": bits, "enabled": bits is not None}
-    return UniCacheConfig.from_dict(d)
+# unicache_at_rate lives in unicache_train.eval.budget (imported above, re-exported).
 
 
 # --------------------------------------------------------------------------------- attention KL
@@ -405,29 +400,15 @@ def _batch_inputs(batch: dict[str, torch.Tensor], device, opts, batch_idx: int):
     return ids, labels, mods, split
 
 
-def _stat_bytes(per_layer: Sequence[dict[str, torch.Tensor]]) -> tuple[float, float]:
-    """(stored KV bytes, uncompressed 16-bit bytes) of one compressed forward, from the
-    compressor's per-layer stats (``kv_bytes`` over ``kv_bytes_ratio``)."""
-    kv = base = 0.0
-    for st in per_layer:
-        k, r = float(st["kv_bytes"]), float(st["kv_bytes_ratio"])
-        kv += k
-        base += k / r if r > 0 else 0.0
-    return kv, base
-
-
-@torch.no_grad()
 def _measured_ratio(
     model: Decoder, batch: dict[str, torch.Tensor], comp: KVCompressor, opts
 ) -> float:
     """Stored KV bytes / 16-bit bytes of one in-loop forward of ``comp`` on ``batch``."""
     device = next(model.parameters()).device
     ids, _, mods, split = _batch_inputs(batch, device, opts, 0)
-    kv, base = _stat_bytes(model(ids, modality_ids=mods, split=split, compressor=comp).compression)
-    return kv / max(base, 1.0)
+    return 1.0 / measured_reduction(model, ids, split, comp, mods)
 
 
-@torch.no_grad()
 def unicache_rate_for_bytes(
     model: Decoder,
     batch: dict[str, torch.Tensor],
@@ -440,31 +421,21 @@ def unicache_rate_for_bytes(
 ) -> float:
     """The UniCache target rate whose stored KV bytes (stats of one in-loop forward on
     ``batch``) are at most ``kv_bytes_ratio`` of the 16-bit cache: the smallest such rate by
-    bisection on ``[0, MAX_RATE]`` (bytes fall as the rate rises). MAX_RATE if none reaches it.
+    bisection on ``[0, MAX_RATE]`` (:func:`unicache_train.eval.budget.rate_for_reduction`).
+    MAX_RATE if none reaches it.
     """
     from unicache_train.compress import UniCacheCompressor
-    from unicache_train.compress.config import MAX_RATE
 
-    o = opts or CompressionEvalConfig()
     device = next(model.parameters()).device
-    ids, _, mods, split = _batch_inputs(batch, device, o, 0)
+    ids, _, mods, split = _batch_inputs(batch, device, opts or CompressionEvalConfig(), 0)
 
-    def ratio(rate: float) -> float:
-        comp = UniCacheCompressor(unicache_at_rate(base_unicache, rate, quantize))
-        out = model(ids, modality_ids=mods, split=split, compressor=comp)
-        kv, base = _stat_bytes(out.compression)
-        return kv / max(base, 1.0)
+    def build(rate: float) -> KVCompressor:
+        return UniCacheCompressor(unicache_at_rate(base_unicache, rate, quantize))
 
-    lo, hi = 0.0, MAX_RATE
-    if ratio(hi) > kv_bytes_ratio:
-        return hi
-    for _ in range(iters):
-        mid = 0.5 * (lo + hi)
-        if ratio(mid) > kv_bytes_ratio:
-            lo = mid
-        else:
-            hi = mid
-    return round(hi, 4)
+    rate, _ = rate_for_reduction(
+        model, ids, split, build, 1.0 / kv_bytes_ratio, modality_ids=mods, iters=iters
+    )
+    return rate
 
 
 def _settings(
@@ -600,7 +571,7 @@ def evaluate_compression(
             keep[i] += float(
                 sum(float(s["keep_ratio"]) for s in out.compression) / max(len(out.compression), 1)
             )
-            kv, base = _stat_bytes(out.compression)
+            kv, base = stats_bytes(out.compression)
             stat_kv[i] += kv
             stat_base[i] += base
             if cap is not None:
