@@ -54,11 +54,19 @@ class Setting:
 
 
 def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """argv -> (the ``study`` section over this recipe's defaults, the rest of the run config).
+
+    ``study`` keys are checked against the default YAML's: a typo is refused, and a user
+    config that leaves a key out gets the default."""
+    defaults = load_yaml(DEFAULT_YAML.read_text())["study"]
     path, args = pop_config_path(argv, DEFAULT_YAML)
     data = load_yaml(Path(path).read_text()) or {}
     apply_overrides(data, args)
-    study = data.pop("study", None) or {}
-    return study, data
+    given = data.pop("study", None) or {}
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ConfigError(f"unknown field(s) {unknown} in study; known: {sorted(defaults)}")
+    return {**defaults, **given}, data
 
 
 # ------------------------------------------------------------------------------ compressors
@@ -202,12 +210,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         )
     out = Path(study["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
-    log_file = (out / "log.txt").open("a")
+    log_path = out / "log.txt"
 
     def log(msg: str) -> None:
         print(msg, flush=True)
-        log_file.write(msg + "\n")
-        log_file.flush()
+        with log_path.open("a") as f:
+            f.write(msg + "\n")
 
     t_start = time.time()
     name = str(study["checkpoint"])
@@ -255,8 +263,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    from unicache_train.cli import report_user_errors
+
+    report_user_errors(main)

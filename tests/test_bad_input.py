@@ -394,7 +394,9 @@ def test_split_edges_are_allowed() -> None:
     ids = torch.zeros(2, 8, dtype=torch.long)
     with torch.no_grad():
         out = model(ids, split=torch.tensor([0, 8]), compressor=IdentityCompressor())
-    assert torch.isfinite(out.logits).all()
+        plain = model(ids)
+    # Nothing is compressed, so either edge computes the plain forward.
+    torch.testing.assert_close(out.logits, plain.logits)
 
 
 def test_empty_dataset_file_names_the_file(files) -> None:

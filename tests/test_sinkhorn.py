@@ -269,7 +269,7 @@ def test_extreme_logits_give_finite_output(variant, kind):
     torch.testing.assert_close(y, y_ref, atol=FWD_ATOL, rtol=0)
     ok = torch.isfinite(g_ref).flatten(1).all(1)
     assert variant == "deepseek_v4" or bool(ok.all())  # paper: no division by a vanishing sum
-    torch.testing.assert_close(g[ok], g_ref[ok], atol=_grad_atol(variant), rtol=0)
+    torch.testing.assert_close(g[ok], g_ref[ok], atol=GRAD_ATOL, rtol=0)  # observed 3e-8
     # Documented: deepseek_v4's last normalized axis sums to s / (s + eps), 1 within eps / s;
     # 1e-5 allows s >= 0.1 (measured <= 1.3e-6). paper: both axes, for any finite input.
     if variant == "deepseek_v4":
@@ -296,7 +296,10 @@ def test_zero_rows_gradient():
             assert torch.isfinite(g).all()
             assert bool(torch.isfinite(g_ref).all()) == ref_finite
             if ref_finite:
-                torch.testing.assert_close(g, g_ref, atol=_grad_atol(variant), rtol=0)
+                # 2 iterations are far from convergence: the paper tolerance's reason (sums
+                # within fp32 noise of 1) does not apply there.
+                atol = GRAD_ATOL if iters == 2 else _grad_atol(variant)
+                torch.testing.assert_close(g, g_ref, atol=atol, rtol=0)
 
 
 def test_doubly_stochastic_residual_as_documented():

@@ -122,7 +122,7 @@ def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path) -> Path:
         raise ImportError(
             "reading GGUF files needs the `gguf` package: pip install gguf accelerate"
         ) from err
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
@@ -130,7 +130,7 @@ def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     src, name = str(gguf_file.parent), gguf_file.name
     loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name)
-    config = AutoConfig.from_pretrained(src, gguf_file=name)
+    config = loaded.config
     # NOTE: save_pretrained refuses a GGUF-loaded model: rebuild the same class from its
     # config and copy the (dequantized) state dict, which also drops GGUF bookkeeping.
     plain = type(loaded)(config)
@@ -151,7 +151,7 @@ def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path) -> Path:
         tokenizer.save_pretrained(tmp)
         try:
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        except (ValueError, OSError):  # nothing to say beyond the model config's defaults
+        except ValueError:  # nothing to say beyond the model config's defaults
             pass
         if out_dir.exists():
             shutil.rmtree(out_dir)

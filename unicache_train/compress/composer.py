@@ -189,13 +189,13 @@ class ComposedCompressor:
     def _check_shortfall(self, layer_idx: int, stats: dict[str, torch.Tensor]) -> None:
         """Warn once per compressor when a layer removes less than its requested rate.
 
-        Checked on the first call of each layer at each (target_rate, rate_scale), not on every
-        call: reading the stat syncs the device, and the shortfall of caps and protection
-        follows the rate (a curriculum re-checks as it moves the rate).
+        Checked on the first call of each layer at each target rate at full scale, not on every
+        call: reading the stat syncs the device. While a curriculum ramps ``rate_scale`` (a
+        new value every step) nothing is checked; the shortfall that matters is the target's.
         """
-        if self._shortfall_warned or "budget_shortfall" not in stats:
+        if self._shortfall_warned or "budget_shortfall" not in stats or self.rate_scale < 1.0:
             return
-        key = (float(self.target_rate), float(self.rate_scale))
+        key = float(self.target_rate)
         if self._shortfall_checked.get(layer_idx) == key:
             return
         self._shortfall_checked[layer_idx] = key

@@ -101,7 +101,8 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q_rot, k_rot, v, k = self.project(x, rope)
+        qkv = self.project(x, rope)
+        q_rot, k_rot, v, k = qkv.q, qkv.k, qkv.v, qkv.k_pre_rope
 
         if split is not None and compressor is not None:
             segment = self._compress_context(q_rot, k, k_rot, v, positions, modality_ids, split,

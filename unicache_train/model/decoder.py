@@ -281,9 +281,12 @@ def check_split(split: torch.Tensor, B: int, T: int) -> None:
         )
     if tuple(split.shape) != (B,):
         raise ValueError(f"split has shape {tuple(split.shape)}: expected [B] = [{B}]")
-    if B == 0:
+    if B == 0 or split.device.type != "cpu":
+        # NOTE: the range check reads the values; on an accelerator that is a device sync on
+        # every training step, so it runs on CPU tensors only (data pipelines build splits on
+        # the CPU; sample_splits' own bounds hold elsewhere).
         return
-    lo, hi = torch.stack([split.min(), split.max()]).tolist()  # NOTE: one device sync
+    lo, hi = torch.stack([split.min(), split.max()]).tolist()
     if lo < 0 or hi > T:
         raise ValueError(
             f"split={split.tolist()} is out of range; allowed [0, T] = [0, {T}] per sample"
