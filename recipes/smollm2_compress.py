@@ -70,7 +70,11 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------ compressors
-METHODS = ("unicache", "unicache_span", "xkv")
+# unicache: text-style UniCache + int8; unicache_span: the same with span pooling;
+# unicache_q4: the same with int4 storage (the byte budget goes to precision before tokens);
+# xkv: cross-layer SVD (groups of 2)
+METHODS = ("unicache", "unicache_span", "unicache_q4", "xkv")
+_UNICACHE_QUANT = {"unicache": "int8", "unicache_span": "int8", "unicache_q4": "int4"}
 
 
 def parse_setting(spec: str) -> tuple[str, float]:
@@ -98,14 +102,15 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
     out = [Setting("none", 1.0, 0.0, IdentityCompressor)]
     for spec in study["settings"]:
         method, red = parse_setting(spec)
-        if method in ("unicache", "unicache_span"):
+        if method in _UNICACHE_QUANT:
             pool = int(study["span_pool"]) if method == "unicache_span" else 0
+            quant = _UNICACHE_QUANT[method]
 
-            def make(rate, pool=pool):
-                return UniCacheCompressor(text_unicache(rate, pool))
+            def make(rate, pool=pool, quant=quant):
+                return UniCacheCompressor(text_unicache(rate, pool, quant))
 
             rate, got = rate_for_reduction(model, calib_ids, calib_split, make, red)
-            cfg = text_unicache(rate, pool)
+            cfg = text_unicache(rate, pool, quant)
             out.append(Setting(method, red, rate, lambda c=cfg: UniCacheCompressor(c), cfg))
         else:
             xcfg = XKVConfig(rank_mode="ratio", ratio=red, group_size=2)
