@@ -50,9 +50,9 @@ from unicache_train.config import (
     load_yaml,
     pop_config_path,
 )
+from unicache_train.eval.perplexity import evaluate_perplexity
 from unicache_train.model import Decoder
 from unicache_train.model.convert_mla import convert_to_mla_with_report, kv_elements_per_token
-from unicache_train.train.evaluate import evaluate_perplexity
 from unicache_train.train.module import causal_lm_loss, warmup_cosine
 
 

@@ -18,7 +18,7 @@ Stages (the fine-tune settings and the evaluated compression setting are
    finished pretraining in ``<out_dir>/pretrain`` is reused);
 2. evaluate the base uncompressed and under ``compress.unicache`` (perplexity on continuations,
    key-value recall decoded on the real compressed cache, attention KL, real KV bytes ratio:
-   :func:`unicache_train.train.evaluate.evaluate_compression`);
+   :func:`unicache_train.eval.sweep.evaluate_compression`);
 3. fine-tune from the base weights with compression in the loop (:class:`LMModule`, resumable);
 4. evaluate the fine-tuned model the same way; print and write the before/after table
    (``<out_dir>/finetune_compress.csv``, led by the command line; per-stage CSV/PNG under
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import math
 import os
 import platform
 import shlex
@@ -170,11 +169,8 @@ def evaluate_stage(
     model, config: RunConfig, tokenizer, loader, options: RecipeOptions, name: str
 ) -> list[dict[str, Any]]:
     """Uncompressed + the configured compression setting; CSV/PNG under ``<out_dir>/eval``."""
-    from unicache_train.train.evaluate import (
-        CompressionEvalConfig,
-        evaluate_compression,
-        write_outputs,
-    )
+    from unicache_train.eval.report import write_outputs
+    from unicache_train.eval.sweep import CompressionEvalConfig, evaluate_compression
 
     uc = config.compress.unicache
     eval_cfg = CompressionEvalConfig(
@@ -241,20 +237,10 @@ def _verdict(ok: bool | None, applies: bool) -> str:
     return ("PASS" if ok else "fail") if applies and ok is not None else "n/a"
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return "-" if math.isnan(v) else f"{v:.4g}"
-    return str(v)
-
-
 def print_table(rows: list[dict[str, Any]]) -> str:
-    cols = list(rows[0])
-    cells = [[_fmt(r[c]) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
-    lines.append("-" * len(lines[0]))
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    text = "\n".join(lines)
+    from unicache_train.eval.report import text_table
+
+    text = text_table(rows)
     print(text)
     return text
 

@@ -121,12 +121,8 @@ def sub_config(ft: RunConfig, name: str, **compress: Any) -> RunConfig:
 
 def evaluate(model, config: RunConfig, tokenizer, loader, options, name: str, **kw):
     """evaluate_compression of one model; CSV/PNG under ``<out_dir>/eval``."""
-    from unicache_train.train.evaluate import (
-        CompressionEvalConfig,
-        evaluate_compression,
-        format_table,
-        write_outputs,
-    )
+    from unicache_train.eval.report import format_table, write_outputs
+    from unicache_train.eval.sweep import CompressionEvalConfig, evaluate_compression
 
     per_row = ("rank_mode", "ratio")
     xkv = {k: v for k, v in config.compress.xkv.to_dict().items() if k not in per_row}

@@ -197,10 +197,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from unicache_train.checkpoint.gguf import KNOWN, fetch
     from unicache_train.checkpoint.hf import import_hf
     from unicache_train.data.recall_mix import EVAL_SEED_FLOOR
+    from unicache_train.data.reference_text import reference_documents
     from unicache_train.data.tokenizer import load_tokenizer
     from unicache_train.eval import RecallTask
     from unicache_train.eval.report import read_results, write_results
-    from unicache_train.eval.text import reference_documents, text_blocks
+    from unicache_train.eval.text import text_blocks
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):

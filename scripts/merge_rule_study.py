@@ -24,7 +24,7 @@ with a plain loop (cached under ``runs/merge_rule_study/``). Per rule and target
   continuation]`` (``rel_err``, mean over queries, heads and samples of
   ``|o_comp - o_ref| / |o_ref|``), and with attention over the context tokens the segment
   stands for, evicted tokens left out (``rel_err_merged``: the merging error alone);
-* quality after compression: :func:`unicache_train.train.evaluate.evaluate_compression` on the
+* quality after compression: :func:`unicache_train.eval.sweep.evaluate_compression` on the
   validation split (continuation perplexity, output KL, attention KL of the last layers), called
   per batch and token-weighted over batches, so that ``d_nll_vs_b`` / ``d_output_kl_vs_b`` (the
   paired difference of the continuation NLL per token / output KL to rule (b)) come with a
@@ -57,9 +57,9 @@ from unicache_train.compress import UniCacheCompressor, UniCacheConfig
 from unicache_train.compress.base import CompressionInput, KVSegment
 from unicache_train.config import RunConfig
 from unicache_train.data.datamodule import LMDataModule
+from unicache_train.eval.sweep import CompressionEvalConfig, evaluate_compression
 from unicache_train.model import Decoder
 from unicache_train.train.compression import continuation_mask, sample_splits, step_generator
-from unicache_train.train.evaluate import CompressionEvalConfig, evaluate_compression
 from unicache_train.train.module import IGNORE_INDEX, causal_lm_loss, warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,8 +34,8 @@ from unicache_train.config import (
     apply_overrides,
     load_yaml,
 )
+from unicache_train.eval.sweep import CompressionEvalConfig
 from unicache_train.model import Decoder
-from unicache_train.train.evaluate import CompressionEvalConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

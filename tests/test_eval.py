@@ -19,17 +19,16 @@ from unicache_train.config import (
     SyntheticDataConfig,
 )
 from unicache_train.data.tokenizer import load_tokenizer
-from unicache_train.model import Decoder
-from unicache_train.train.evaluate import (
-    CSV_COLUMNS,
+from unicache_train.eval.budget import unicache_at_rate
+from unicache_train.eval.report import CSV_COLUMNS, format_table, log_rows, write_outputs
+from unicache_train.eval.sweep import (
     CompressionEvalConfig,
-    _row,
+    Quality,
+    Setting,
     evaluate_compression,
-    format_table,
-    log_rows,
-    unicache_at_rate,
-    write_outputs,
+    quality_row,
 )
+from unicache_train.model import Decoder
 
 
 def tiny_data() -> DataConfig:
@@ -151,51 +150,34 @@ def test_csv_and_png_outputs(rows_and_logger, tmp_path: Path) -> None:
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png_path.stat().st_size > 5000
 
 
+def _row(acc: float, acc_plain: float, ppl: float, attn_kl: float) -> dict:
+    """A row at rate 0.6, int8, against an uncompressed perplexity of 10."""
+    q = Quality(ppl=ppl, recall_acc=acc, attn_kl=attn_kl, output_kl=0.01, kv_bytes_ratio=0.24,
+                keep_ratio=0.4)  # fmt: skip
+    return quality_row(Setting("r", "unicache", 0.6, 8), q, Quality(ppl=10.0, recall_acc=acc_plain))
+
+
 def test_quality_check_thresholds() -> None:
-    ok = _row(
-        "r",
-        0.6,
-        8,
-        ppl=10.4,
-        ppl_plain=10.0,
-        acc=0.80,
-        acc_plain=0.84,
-        attn_kl=0.09,
-        output_kl=0.01,
-        kv_ratio=0.24,
-        keep_ratio=0.4,
-    )
+    ok = _row(acc=0.80, acc_plain=0.84, ppl=10.4, attn_kl=0.09)
     assert (ok["kl_ok"], ok["ppl_ok"], ok["acc_ok"], ok["pass"]) == (True, True, True, True)
-    bad = _row(
-        "r",
-        0.6,
-        8,
-        ppl=10.6,
-        ppl_plain=10.0,
-        acc=0.78,
-        acc_plain=0.84,
-        attn_kl=0.11,
-        output_kl=0.01,
-        kv_ratio=0.24,
-        keep_ratio=0.4,
-    )
+    assert ok["rate_realized"] == pytest.approx(0.6) and ok["budget_shortfall"] == 0.0
+    bad = _row(acc=0.78, acc_plain=0.84, ppl=10.6, attn_kl=0.11)
     assert (bad["kl_ok"], bad["ppl_ok"], bad["acc_ok"], bad["pass"]) == (False, False, False, False)
 
 
 def test_recall_check_reads_na_when_it_cannot_measure(tmp_path: Path) -> None:
     """Both accuracies 0 (or no recall at all): "at most 5 points lower" would pass whatever
     compression did, so the recall check and the verdict read n/a, everywhere they show."""
-    kw = dict(ppl=10.1, ppl_plain=10.0, attn_kl=0.01, output_kl=0.01, kv_ratio=0.3,
-              keep_ratio=0.4)  # fmt: skip
-    both_zero = _row("r", 0.6, 8, acc=0.0, acc_plain=0.0, **kw)
-    no_recall = _row("r", 0.6, 8, acc=math.nan, acc_plain=math.nan, **kw)
+    kw = dict(ppl=10.1, attn_kl=0.01)
+    both_zero = _row(acc=0.0, acc_plain=0.0, **kw)
+    no_recall = _row(acc=math.nan, acc_plain=math.nan, **kw)
     for row in (both_zero, no_recall):
         assert (row["kl_ok"], row["ppl_ok"], row["acc_ok"], row["pass"]) == (True, True, None, None)
     # A failing check still fails the row: n/a never hides a fail.
-    bad_kl = _row("r", 0.6, 8, acc=0.0, acc_plain=0.0, **{**kw, "attn_kl": 0.5})
+    bad_kl = _row(acc=0.0, acc_plain=0.0, **{**kw, "attn_kl": 0.5})
     assert (bad_kl["kl_ok"], bad_kl["acc_ok"], bad_kl["pass"]) == (False, None, False)
     # A model that does recall keeps a real verdict.
-    assert _row("r", 0.6, 8, acc=0.5, acc_plain=0.52, **kw)["pass"] is True
+    assert _row(acc=0.5, acc_plain=0.52, **kw)["pass"] is True
     line = format_table([both_zero]).splitlines()[-1]
     assert line.split()[-2:] == ["n/a", "n/a"] and "PASS" in line
     csv_path, _ = write_outputs([both_zero], tmp_path, "na")

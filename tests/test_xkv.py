@@ -485,12 +485,8 @@ def test_train_config_methods() -> None:
 def test_evaluation_rows_at_equal_kv_bytes(tmp_path) -> None:
     from unicache_train.config import DataConfig, SyntheticDataConfig
     from unicache_train.data.tokenizer import load_tokenizer
-    from unicache_train.train.evaluate import (
-        CompressionEvalConfig,
-        evaluate_compression,
-        format_table,
-        write_outputs,
-    )
+    from unicache_train.eval.report import format_table, write_outputs
+    from unicache_train.eval.sweep import CompressionEvalConfig, evaluate_compression
 
     data = DataConfig(
         seq_len=96,

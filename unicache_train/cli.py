@@ -23,7 +23,7 @@ from unicache_train.config import (
     RunConfig,
     TrainConfig,
 )
-from unicache_train.train.evaluate import CompressionEvalConfig
+from unicache_train.eval.sweep import CompressionEvalConfig
 
 
 def fit(
@@ -89,7 +89,7 @@ def evaluate(
     """
     from unicache_train.checkpoint import load_checkpoint
     from unicache_train.data.datamodule import LMDataModule
-    from unicache_train.train.evaluate import evaluate_perplexity
+    from unicache_train.eval.perplexity import evaluate_perplexity
 
     if logger not in EVAL_LOGGERS:  # before any work, not after the perplexity pass
         raise ConfigError(f"evaluate --logger={logger!r} is not allowed; choose one of "
@@ -114,7 +114,8 @@ def evaluate(
 def _evaluate_compression(model, config: RunConfig, data: DataConfig, dm,
                           options: CompressionEvalConfig, logger: str | None) -> list[dict]:
     from unicache_train.compress.presets import preset
-    from unicache_train.train.evaluate import evaluate_compression, format_table, write_outputs
+    from unicache_train.eval.report import format_table, write_outputs
+    from unicache_train.eval.sweep import evaluate_compression
 
     base = preset(options.preset) if options.preset is not None else config.compress.unicache
     sink = _eval_logger(logger, options.out_dir, options.name)

@@ -1,10 +1,11 @@
 """Fine-tuning data for real checkpoints: key-value recall records mixed with real English text.
 
-Recall records (:mod:`unicache_train.eval.recall`, built from **training** seeds only) teach the
-model to answer from a compressed context; text passages (the ``"train"`` sections of the Python
-Language Reference, :func:`unicache_train.eval.text.reference_documents`) keep its language
-ability. Written as a JSONL file that :class:`~unicache_train.data.datamodule.LMDataModule`
-reads (``source: <file>``, ``pack: false``, ``split_at: question``):
+Recall records (:mod:`unicache_train.data.recall_task`, built from **training** seeds only) teach
+the model to answer from a compressed context; text passages (the ``"train"`` sections of the
+Python Language Reference, :func:`unicache_train.data.reference_text.reference_documents`) keep
+its language ability. Written as a JSONL file that
+:class:`~unicache_train.data.datamodule.LMDataModule` reads (``source: <file>``, ``pack: false``,
+``split_at: question``):
 
 * recall: ``text = context + question + " " + answer + "\\n"``, ``question_char`` at the
   question (the split: the question is decoded on the compressed context, as at inference),
@@ -20,8 +21,8 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from unicache_train.eval.recall import RecallTask, recall_records
-from unicache_train.eval.text import reference_documents
+from unicache_train.data.recall_task import RecallTask, recall_records
+from unicache_train.data.reference_text import reference_documents
 
 __all__ = ["write_recall_mix", "EVAL_SEED_FLOOR"]
 

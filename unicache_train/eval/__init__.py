@@ -1,18 +1,30 @@
-"""Evaluation tasks for real checkpoints: key-value recall and held-out text perplexity.
+"""Evaluation without a Trainer: one job per module; nothing here trains.
 
-Each task is a function of (model, tokenizer, compressor, seeds) that returns an accumulator
-with the estimate and its standard error; nothing here trains or writes files.
-
-- :mod:`~unicache_train.eval.recall`: key-value recall prompts at several difficulties, the
-  question decoded **after** the compressed context (so only the context is compressed), greedy
-  exact match.
+- :mod:`~unicache_train.eval.perplexity`: validation perplexity (``unicache-train evaluate``).
+- :mod:`~unicache_train.eval.sweep`: quality under KV compression across rates and xKV ratios
+  (``evaluate --compression.*``): perplexity on continuations, recall, attention and output KL,
+  KV bytes, the quality checks.
+- :mod:`~unicache_train.eval.attn_kl`: attention KL between the plain and compressed forwards.
+- :mod:`~unicache_train.eval.synthetic_recall`: recall of the bundled synthetic task (tiny
+  models), decoded on the real compressed cache.
+- :mod:`~unicache_train.eval.recall`: key-value recall for real checkpoints at several
+  difficulties, the question decoded **after** the compressed context, greedy exact match.
 - :mod:`~unicache_train.eval.text`: continuation perplexity on real English prose (the Python
-  Language Reference shipped with CPython, ``pydoc_data.topics``), context compressed.
+  Language Reference shipped with CPython), context compressed.
+- :mod:`~unicache_train.eval.budget`: settings calibrated to a measured KV-bytes reduction.
+- :mod:`~unicache_train.eval.report`: the shared text table and CSV writer, plots, logger
+  metrics.
+
+The real-checkpoint tasks return an accumulator with the estimate and its standard error.
 """
 
-from unicache_train.eval.recall import RecallResult, RecallTask, recall_records, run_recall
+# The task definitions live in data/ (training builds from them too); re-exported here because
+# callers pick a task and run it in one place.
+from unicache_train.data.recall_task import RecallTask, recall_records
+from unicache_train.data.reference_text import reference_documents
+from unicache_train.eval.recall import RecallResult, run_recall
 from unicache_train.eval.stats import binomial_stderr
-from unicache_train.eval.text import TextResult, reference_documents, run_text_perplexity
+from unicache_train.eval.text import TextResult, run_text_perplexity
 
 __all__ = [
     "RecallResult",

@@ -1,7 +1,7 @@
 """Key-value recall on a compressed cache, the question decoded after the compressed context.
 
-A record is a list of ``key: value`` lines (the **context**), then a question about one key
-(the **question**), then its value (the **answer**)::
+A record (:mod:`unicache_train.data.recall_task`) is ``key: value`` lines (the **context**), a
+question about one key and its value (the **answer**)::
 
     amber falcon: 4821          ┐
     quiet river: 0937           │ context: prefilled, then every layer's K/V is compressed
@@ -10,19 +10,13 @@ A record is a list of ``key: value`` lines (the **context**), then a question ab
     quiet river:                          ┘ compressed cache (never compressed itself)
      0937                                   answer: greedy, exact match on the first line
 
-Keys are two common words (an adjective and a noun). ``distractors`` other keys share the
-asked key's noun (``amber river``, ``quiet river``), so a model that keeps only the noun's
-tokens cannot tell them apart. Values are ``value_digits`` random digits: a tokenizer that
-splits numbers into single digits (SmolLM2's does) needs every digit of a value kept, which is
-what makes recall break under token eviction.
-
-Records depend only on ``(task, seed, index)``; evaluation seeds must never be used to build
-training data (:func:`recall_records` takes the seed explicitly; callers keep them apart).
+Evaluation seeds must never be used to build training data
+(:data:`~unicache_train.data.recall_mix.EVAL_SEED_FLOOR`). The bundled synthetic task of the
+tiny models is decoded by :mod:`unicache_train.eval.synthetic_recall`.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,84 +24,7 @@ import torch
 
 from unicache_train.eval.stats import binomial_stderr
 
-__all__ = ["RecallTask", "RecallResult", "recall_records", "run_recall"]
-
-_ADJECTIVES = (
-    "amber", "brave", "calm", "dark", "eager", "fancy", "gentle", "happy", "icy", "jolly",
-    "keen", "lucky", "merry", "noble", "odd", "proud", "quiet", "rapid", "silent", "tiny",
-    "vivid", "warm", "young", "bold", "cold", "dry", "early", "fresh", "golden", "hidden",
-    "little", "modern",
-)  # fmt: skip
-_NOUNS = (
-    "apple", "bridge", "castle", "desert", "engine", "falcon", "garden", "harbor", "island",
-    "jungle", "kettle", "lantern", "meadow", "needle", "orchard", "pencil", "river", "saddle",
-    "tower", "valley", "window", "yard", "anchor", "basket", "candle", "dragon", "forest",
-    "glacier", "hammer", "mirror", "planet", "rocket",
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class RecallTask:
-    """One difficulty of the recall task.
-
-    Attributes:
-        pairs: ``key: value`` lines in the context (1-1024).
-        distractors: other keys sharing the asked key's noun (``0 <= distractors < pairs``,
-            at most 31).
-        value_digits: digits per value (1-12).
-    """
-
-    pairs: int = 8
-    distractors: int = 0
-    value_digits: int = 4
-
-    def __post_init__(self) -> None:
-        for name, lo, hi in (("pairs", 1, 1024), ("value_digits", 1, 12)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise ValueError(f"RecallTask.{name}={v!r} is out of range; allowed [{lo}, {hi}]")
-        d = self.distractors
-        hi = min(self.pairs - 1, len(_ADJECTIVES) - 1)
-        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= hi:
-            raise ValueError(f"RecallTask.distractors={d!r} is out of range; allowed [0, {hi}]")
-
-    @property
-    def name(self) -> str:
-        """``recall8``, ``recall16d3``, ..."""
-        return f"recall{self.pairs}" + (f"d{self.distractors}" if self.distractors else "")
-
-
-def _record(task: RecallTask, rng: random.Random) -> dict[str, str]:
-    # The asked key plus its distractors share one noun; the other keys are unique pairs.
-    noun = rng.choice(_NOUNS)
-    adjs = rng.sample(_ADJECTIVES, task.distractors + 1)
-    keys = [f"{a} {noun}" for a in adjs]
-    taken = set(keys)
-    while len(keys) < task.pairs:
-        key = f"{rng.choice(_ADJECTIVES)} {rng.choice([n for n in _NOUNS if n != noun])}"
-        if key not in taken:
-            taken.add(key)
-            keys.append(key)
-    asked = keys[0]
-    rng.shuffle(keys)
-    values = {k: "".join(rng.choice("0123456789") for _ in range(task.value_digits)) for k in keys}
-    context = "".join(f"{k}: {values[k]}\n" for k in keys)
-    question = f"What is the value of {asked}?\n{asked}:"
-    return {"context": context, "question": question, "answer": values[asked], "key": asked}
-
-
-def recall_records(task: RecallTask, n: int, seed: int) -> list[dict[str, str]]:
-    """``n`` records of ``task``; record ``i`` depends only on ``(task, seed, i)``.
-
-    Returns:
-        Dicts with ``context``, ``question``, ``answer`` (the digits, no space) and ``key``.
-    """
-    if n < 1:
-        raise ValueError(f"recall_records: n={n} must be >= 1")
-    return [
-        _record(task, random.Random(f"recall|{task.name}|{task.value_digits}|{seed}|{i}"))
-        for i in range(n)
-    ]
+__all__ = ["RecallResult", "run_recall"]
 
 
 @dataclass
@@ -156,7 +73,7 @@ def run_recall(
     Args:
         model: a GQA :class:`~unicache_train.model.Decoder` (eval mode).
         tokenizer: our tokenizer API (``encode(text, add_bos=)``, ``decode``, ``pad_token_id``).
-        records: from :func:`recall_records`.
+        records: from :func:`~unicache_train.data.recall_task.recall_records`.
         compressor: any KV compressor (``IdentityCompressor`` for the uncompressed row).
         batch_size: records per batch (contexts right padded; the question tokens of a batch
             are fed in lockstep, each at its own position).
@@ -165,7 +82,7 @@ def run_recall(
     Returns:
         :class:`RecallResult`.
     """
-    from unicache_train.compress.inference import prefill_compressed
+    from unicache_train.model.generate import prefill_compressed
 
     device = next(model.parameters()).device
     head_dim = model.config.head_size

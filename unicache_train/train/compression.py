@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from unicache_train.compress.base import IdentityCompressor, KVCompressor
 from unicache_train.config import CompressionTrainConfig
+from unicache_train.model.loss import IGNORE_INDEX, masked_nll  # in __all__: shared by train/eval
 
 __all__ = [
     "IGNORE_INDEX",
@@ -43,9 +44,6 @@ __all__ = [
     "layer_mean_stats",
     "step_generator",
 ]
-
-IGNORE_INDEX = -100
-
 
 def build_compressor(config: CompressionTrainConfig) -> KVCompressor:
     """The compressor a run trains with: UniCache, xKV, UniCache then xKV, or the identity (on
@@ -122,27 +120,6 @@ def continuation_mask(split: torch.Tensor, T: int) -> torch.Tensor:
     """[B, T] bool, True at the positions whose target is a continuation token (``t >= s - 1``)."""
     t = torch.arange(T, device=split.device)
     return t[None, :] >= (split[:, None] - 1)
-
-
-def masked_nll(
-    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token NLL and the number of targets counted.
-
-    Args:
-        logits: [B, T, V].
-        labels: [B, T] (``-100`` = ignore).
-        mask: [B, T] bool, extra restriction (e.g. :func:`continuation_mask`).
-
-    Returns:
-        (nll_sum [], tokens [] long).
-    """
-    if mask is not None:
-        labels = labels.masked_fill(~mask, IGNORE_INDEX)
-    nll = F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return nll, (labels != IGNORE_INDEX).sum()
 
 
 def masked_lm_loss(

@@ -37,7 +37,6 @@ Shape legend: B, P, N, C = prompts, prompt tokens, image slots, width.
 
 from __future__ import annotations
 
-import csv
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,10 +45,13 @@ from typing import Any
 
 import torch
 
-from unicache_train.compress.base import IdentityCompressor, KVCompressor
-from unicache_train.config import ConfigError, _int
+from unicache_train.config import ConfigError
 from unicache_train.data.multimodal import encode_sample
 from unicache_train.data.scenes import TASKS, SceneConfig, scene_samples
+from unicache_train.eval.budget import unicache_at_rate
+from unicache_train.eval.report import text_table, write_csv
+from unicache_train.seam import IdentityCompressor, KVCompressor
+from unicache_train.validation import check_int as _int
 
 __all__ = [
     "VARIANTS",
@@ -117,7 +119,6 @@ def variant_config(base: Any, variant: str, rate: float, quantize: str = "config
         quantize: ``"config"``, ``"none"``, ``"int8"`` or ``"int4"``.
     """
     from unicache_train.compress.config import UniCacheConfig
-    from unicache_train.train.evaluate import unicache_at_rate
 
     if variant not in VARIANTS:
         raise ConfigError(f"unknown variant {variant!r}; choose from {sorted(VARIANTS)}")
@@ -273,8 +274,8 @@ def answer_accuracy(
         ``keep_ratio/<modality>``, ``protected_fraction``, ``kv_bytes_ratio``, ``n`` and
         ``predictions``.
     """
-    from unicache_train.compress.inference import generate_compressed
     from unicache_train.data.synthetic import normalize_answer
+    from unicache_train.model.generate import generate_compressed
 
     device = next(model.parameters()).device
     hits: dict[str, list[int]] = {t: [0, 0] for t in TASKS}
@@ -405,37 +406,22 @@ def evaluate_vlm(
 
 
 # ----------------------------------------------------------------------------- outputs
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return "-" if math.isnan(value) else f"{value:.3g}"
-    return str(value)
-
-
 def format_vlm_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
-    """A fixed-width text table (default: :data:`VLM_CSV_COLUMNS`)."""
-    cols = list(columns or VLM_CSV_COLUMNS)
-    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
-    out = [line, "-" * len(line)]
-    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
+    """A fixed-width text table (default: :data:`VLM_CSV_COLUMNS`), 3 significant digits."""
+    return text_table(rows, columns or VLM_CSV_COLUMNS, digits=3)
 
 
 def write_vlm_outputs(
     rows: Sequence[dict[str, Any]], out_dir: str | Path, name: str = "vlm_eval"
 ) -> tuple[Path, Path]:
-    """``<out_dir>/<name>.csv`` and ``<name>.png`` (:func:`plot_accuracy`)."""
+    """``<out_dir>/<name>.csv`` (:data:`VLM_CSV_COLUMNS`, then any other keys of the rows,
+    sorted) and ``<name>.png`` (:func:`plot_accuracy`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path, png_path = out / f"{name}.csv", out / f"{name}.png"
     cols = list(VLM_CSV_COLUMNS)
     cols += sorted({k for r in rows for k in r} - set(cols))
-    with csv_path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
-        writer.writeheader()
-        for r in rows:
-            writer.writerow(r)
+    write_csv(csv_path, rows, cols)
     plot_accuracy(rows, png_path)
     return csv_path, png_path
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 
 from unicache_train.compress.base import find_cross_layer
 from unicache_train.config import RunConfig
 from unicache_train.model import Decoder
+from unicache_train.model.loss import causal_lm_loss  # re-exported: recipes/scripts import it here
 from unicache_train.train.compression import (
     IGNORE_INDEX,
     build_compressor,
@@ -28,18 +28,6 @@ from unicache_train.train.compression import (
     set_rate_scale,
     step_generator,
 )
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy.
-
-    Args:
-        logits: [B, T, V].
-        labels: [B, T] next-token targets (already shifted), ``-100`` = ignore.
-    """
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX
-    )
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -194,13 +182,7 @@ class LMModule(L.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         logits = self(batch)
         labels = batch["labels"]
-        tokens = (labels != IGNORE_INDEX).sum()
-        nll = F.cross_entropy(
-            logits.flatten(0, 1).float(),
-            labels.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
+        nll, tokens = masked_nll(logits, labels)
         # Token-weighted mean across batches and ranks (not a mean of batch means).
         self._val_nll += nll.detach()
         self._val_tokens += tokens
