@@ -42,10 +42,6 @@ import torch
 from unicache_train.config import (
     ConfigError,
     RunConfig,
-    _build,
-    _choice,
-    _int,
-    _range,
     apply_overrides,
     load_yaml,
     pop_config_path,
@@ -54,6 +50,10 @@ from unicache_train.eval.perplexity import evaluate_perplexity
 from unicache_train.model import Decoder
 from unicache_train.model.convert_mla import convert_to_mla_with_report, kv_elements_per_token
 from unicache_train.train.module import causal_lm_loss, warmup_cosine
+from unicache_train.validation import build_config as _build
+from unicache_train.validation import check_choice as _choice
+from unicache_train.validation import check_int as _int
+from unicache_train.validation import check_range as _range
 
 
 @dataclass

@@ -44,7 +44,8 @@ from typing import Any
 
 import lightning as L
 
-from unicache_train.config import ConfigError, RunConfig, _int, load_yaml
+from unicache_train.config import ConfigError, RunConfig, load_yaml
+from unicache_train.validation import check_int as _int
 
 HERE = Path(__file__).resolve().parent
 

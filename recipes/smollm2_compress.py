@@ -94,10 +94,10 @@ def parse_setting(spec: str) -> tuple[str, float]:
 
 def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
     from unicache_train.compress import UniCacheCompressor
-    from unicache_train.compress.base import IdentityCompressor
     from unicache_train.compress.config import XKVConfig
     from unicache_train.compress.xkv import XKVCompressor
     from unicache_train.eval.budget import measured_reduction, rate_for_reduction, text_unicache
+    from unicache_train.seam import IdentityCompressor
 
     out = [Setting("none", 1.0, 0.0, IdentityCompressor)]
     for spec in study["settings"]:

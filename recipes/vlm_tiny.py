@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from unicache_train.compress.config import MAX_RATE
-from unicache_train.config import ConfigError, _int, apply_overrides, deep_merge, load_yaml
+from unicache_train.config import ConfigError, apply_overrides, deep_merge, load_yaml
+from unicache_train.validation import check_int as _int
 
 HERE = Path(__file__).resolve().parent
 

@@ -22,12 +22,12 @@ import torch
 from unicache_train.checkpoint.gguf import fetch
 from unicache_train.checkpoint.hf import import_hf
 from unicache_train.compress import UniCacheCompressor
-from unicache_train.compress.base import IdentityCompressor
 from unicache_train.data.reference_text import reference_documents
 from unicache_train.data.tokenizer import load_tokenizer
 from unicache_train.eval import RecallTask, recall_records, run_recall
 from unicache_train.eval.budget import rate_for_reduction, text_unicache
 from unicache_train.eval.text import text_blocks
+from unicache_train.seam import IdentityCompressor
 
 OUT = Path(__file__).parent / "results" / "span_pool_probe.csv"
 

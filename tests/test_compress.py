@@ -21,7 +21,6 @@ from unicache_train.compress import (
     UniCacheConfig,
     presets,
 )
-from unicache_train.compress.base import CompressionInput, KVSegment
 from unicache_train.compress.config import QuantizeConfig
 from unicache_train.compress.state import CompressionState
 from unicache_train.compress.testing import (
@@ -33,6 +32,7 @@ from unicache_train.compress.testing import (
 )
 from unicache_train.config import ModelConfig
 from unicache_train.model.decoder import Decoder
+from unicache_train.seam import CompressionInput, KVSegment
 
 
 def _only(**enabled: bool) -> UniCacheConfig:

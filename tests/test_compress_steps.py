@@ -37,17 +37,12 @@ from unicache_train.compress.fallback import DynamicFallback, fallback_rate
 from unicache_train.compress.head_merge import cluster_heads, compact_heads, query_head_groups
 from unicache_train.compress.importance import layer_weights, normalize_attention
 from unicache_train.compress.merge_evict import plan_tokens
-from unicache_train.compress.quantize import (
-    dequantize,
-    pack_int4,
-    quantize_symmetric,
-    segment_kv_bytes,
-    unpack_int4,
-)
+from unicache_train.compress.quantize import quantize_symmetric, segment_kv_bytes
 from unicache_train.compress.schedule import cosine_curve, layer_rate
 from unicache_train.compress.state import CompressionState
 from unicache_train.compress.testing import check_segment, make_input
 from unicache_train.config import ConfigError
+from unicache_train.seam import dequantize, pack_int4, unpack_int4
 
 NOQ = QuantizeConfig(bits=None)
 

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from unicache_train.compress import UniCacheCompressor
-from unicache_train.compress.base import IdentityCompressor
 from unicache_train.compress.config import ImportanceConfig, UniCacheConfig
 from unicache_train.compress.importance import pool_scores
 from unicache_train.config import ConfigError, ModelConfig
@@ -26,6 +25,7 @@ from unicache_train.eval import (
 from unicache_train.eval.budget import measured_reduction, rate_for_reduction
 from unicache_train.eval.text import text_blocks
 from unicache_train.model import Decoder
+from unicache_train.seam import IdentityCompressor
 
 
 def byte_model(seed: int = 0) -> Decoder:

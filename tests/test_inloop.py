@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from unicache_train.compress import IdentityCompressor, UniCacheCompressor, UniCacheConfig
-from unicache_train.compress.inference import decode_teacher_forced, generate_compressed
 from unicache_train.compress.presets import text_style_baseline
 from unicache_train.config import (
     CompressionTrainConfig,
@@ -23,6 +22,7 @@ from unicache_train.config import (
     TrainConfig,
 )
 from unicache_train.model import Decoder
+from unicache_train.model.generate import decode_teacher_forced, generate_compressed
 from unicache_train.train.compression import (
     compression_kl,
     continuation_mask,

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from unicache_train.compress import IdentityCompressor
-from unicache_train.compress.base import KVSegment
 from unicache_train.config import ModelConfig
 from unicache_train.model import Decoder, KVCache
 from unicache_train.model.attention import kv_bytes_per_token
 from unicache_train.model.kv_cache import LatentKVCache, new_kv_cache
+from unicache_train.seam import KVSegment
 
 VOCAB = 97
 

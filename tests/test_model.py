@@ -106,7 +106,7 @@ def test_identity_compressor_seam_equals_plain_forward():
 
 def test_seam_drops_context_for_continuation_only():
     """A compressor that keeps nothing changes continuation logits but not context logits."""
-    from unicache_train.compress.base import KVSegment
+    from unicache_train.seam import KVSegment
 
     class DropAll:
         pre_rope = False

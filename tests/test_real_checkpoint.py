@@ -55,8 +55,8 @@ def test_short_recall_prompts_are_answerable_uncompressed(smollm2):
     """The task is within the real model's reach: on 4-pair prompts (held-out seeds), greedy
     decoding after the context answers a clear share (a decoding bug, e.g. wrong positions
     for the question tokens, drops this to 0)."""
-    from unicache_train.compress.base import IdentityCompressor
     from unicache_train.eval import RecallTask, recall_records, run_recall
+    from unicache_train.seam import IdentityCompressor
 
     model, _, tok = smollm2
     recs = recall_records(RecallTask(pairs=4), 8, 1_000_003)

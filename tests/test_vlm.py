@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from unicache_train.compress import IdentityCompressor, UniCacheCompressor, UniCacheConfig
-from unicache_train.compress.inference import decode_teacher_forced
 from unicache_train.config import ConfigError, ModelConfig
 from unicache_train.data.multimodal import (
     MultimodalCollator,
@@ -32,6 +31,7 @@ from unicache_train.data.scenes import (
     scene_words,
 )
 from unicache_train.data.tokenizer import ByteTokenizer
+from unicache_train.model.generate import decode_teacher_forced
 from unicache_train.model.vision import VisionConfig, patchify
 from unicache_train.model.vlm import VisionLanguageModel
 from unicache_train.train.evaluate_vlm import (

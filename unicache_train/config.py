@@ -11,21 +11,31 @@ with :meth:`RunConfig.load`.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
-import yaml
+from unicache_train.compress.config import UniCacheConfig, XKVConfig
+from unicache_train.compress.presets import PRESETS
 
-if TYPE_CHECKING:
-    from unicache_train.compress.config import UniCacheConfig, XKVConfig
+# ConfigError, load_yaml and apply_overrides live in validation (shared with compress.config);
+# re-exported here, where users of the run config import them.
+from unicache_train.validation import (
+    ConfigBase,
+    ConfigError,
+    apply_overrides,
+    check_choice,
+    check_int,
+    check_range,
+    load_yaml,
+)
 
 __all__ = [
     "ConfigError",
     "load_yaml",
+    "apply_overrides",
+    "deep_merge",
+    "pop_config_path",
     "ModelConfig",
     "DataConfig",
     "SyntheticDataConfig",
@@ -35,89 +45,6 @@ __all__ = [
     "CompressionTrainConfig",
     "RunConfig",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, value and allowed range."""
-
-
-# --------------------------------------------------------------------------------- YAML
-class _YAMLLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that reads every usual number notation as a number.
-
-    PyYAML implements YAML 1.1, whose float pattern needs a dot and a signed exponent: ``1e-4``,
-    ``1E-4``, ``1e4`` and ``-.5`` come back as *strings* there (then refused as "expected a
-    number"). YAML 1.2 and every other parser read them as floats; so do we.
-    """
-
-
-_YAMLLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+
-        |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?)$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
-
-
-def load_yaml(text: str) -> Any:
-    """Parse YAML text (a config file or one ``section.field=value`` override's value) with
-    :class:`_YAMLLoader`: ``1e-4``, ``1E-4``, ``.5``, ``-.5``, ``1_000`` are numbers."""
-    return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
-
-
-# --------------------------------------------------------------------------------- validators
-def _interval(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
-    """The allowed range as text: ``[0, 1)``, ``(0, inf)``."""
-    left = "(" if lo_open or lo is None else "["
-    right = ")" if hi_open or hi is None else "]"
-    lo_s = "-inf" if lo is None else lo
-    hi_s = "inf" if hi is None else hi
-    return f"{left}{lo_s}, {hi_s}{right}"
-
-
-def _range(
-    obj: Any,
-    name: str,
-    lo: float | None = None,
-    hi: float | None = None,
-    *,
-    lo_open=False,
-    hi_open=False,
-) -> None:
-    """``getattr(obj, name)`` must be a finite number in the range (inf and NaN are refused:
-    no config field of ours means anything at infinity)."""
-    value = getattr(obj, name)
-    cls = type(obj).__name__
-    allowed = _interval(lo, hi, lo_open, hi_open)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(
-            f"{cls}.{name}={value!r}: expected a number in {allowed}, got {type(value).__name__}"
-        )
-    bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
-    bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
-    if not math.isfinite(value) or bad_lo or bad_hi:
-        raise ConfigError(f"{cls}.{name}={value!r} is out of range; allowed {allowed}")
-
-
-def _int(obj: Any, name: str, lo: int | None = None, hi: int | None = None) -> None:
-    value = getattr(obj, name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(
-            f"{type(obj).__name__}.{name}={value!r}: expected an integer in "
-            f"{_interval(lo, hi, False, False)}"
-        )
-    _range(obj, name, lo, hi)
-
-
-def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(obj, name)
-    if value not in choices:
-        raise ConfigError(
-            f"{type(obj).__name__}.{name}={value!r} is not allowed; choose one of {list(choices)}"
-        )
 
 
 RESIDUAL_MODES = ("residual", "mhc", "hc")
@@ -137,7 +64,7 @@ DEEPSPEED_STRATEGIES = (
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(ConfigBase):
     """Decoder architecture (HF field names).
 
     ``residual_mode`` selects the residual connection: ``residual`` (plain pre-norm), ``mhc``
@@ -177,12 +104,12 @@ class ModelConfig:
     v_head_dim: int = 32
 
     def __post_init__(self) -> None:
-        _int(self, "vocab_size", 2)
-        _int(self, "hidden_size", 1)
-        _int(self, "intermediate_size", 1)
-        _int(self, "num_hidden_layers", 1)
-        _int(self, "num_attention_heads", 1)
-        _int(self, "num_key_value_heads", 1, self.num_attention_heads)
+        check_int(self, "vocab_size", 2)
+        check_int(self, "hidden_size", 1)
+        check_int(self, "intermediate_size", 1)
+        check_int(self, "num_hidden_layers", 1)
+        check_int(self, "num_attention_heads", 1)
+        check_int(self, "num_key_value_heads", 1, self.num_attention_heads)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"ModelConfig.num_key_value_heads={self.num_key_value_heads} must divide "
@@ -194,14 +121,14 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly"
             )
         if self.head_dim is not None:
-            _int(self, "head_dim", 2)
+            check_int(self, "head_dim", 2)
         if self.head_size % 2:
             raise ConfigError(f"ModelConfig.head_dim={self.head_size} must be even (RoPE pairs)")
-        _int(self, "max_position_embeddings", 1)
-        _range(self, "rope_theta", 0, lo_open=True)
-        _range(self, "rms_norm_eps", 0, 1, lo_open=True)
-        _range(self, "initializer_range", 0, 1, lo_open=True)
-        _choice(self, "attention_type", ATTENTION_TYPES)
+        check_int(self, "max_position_embeddings", 1)
+        check_range(self, "rope_theta", 0, lo_open=True)
+        check_range(self, "rms_norm_eps", 0, 1, lo_open=True)
+        check_range(self, "initializer_range", 0, 1, lo_open=True)
+        check_choice(self, "attention_type", ATTENTION_TYPES)
         if not isinstance(self.qk_norm, bool):
             raise ConfigError(f"ModelConfig.qk_norm={self.qk_norm!r}: expected a bool")
         if self.qk_norm and self.attention_type == "mla":
@@ -209,8 +136,8 @@ class ModelConfig:
                 "ModelConfig.qk_norm=True is a GQA option (Qwen3's per-head q_norm/k_norm); "
                 "not allowed with attention_type='mla'"
             )
-        _choice(self, "residual_mode", RESIDUAL_MODES)
-        _int(self, "hc_mult", 1, 64)
+        check_choice(self, "residual_mode", RESIDUAL_MODES)
+        check_int(self, "hc_mult", 1, 64)
         if self.residual_mode == "residual" and self.hc_mult not in (1, HC_MULT_DEFAULT):
             # NOTE: the default (4) stays valid with a plain residual: every saved config of a
             # plain model carries it. Any other value was meant to widen the residual.
@@ -219,18 +146,18 @@ class ModelConfig:
                 "(a plain residual has one stream); set residual_mode to 'mhc' or 'hc' for "
                 f"{self.hc_mult} streams, or hc_mult to 1"
             )
-        _choice(self, "hc_preset", HC_PRESETS)
-        _int(self, "hc_sinkhorn_iters", 1, 1000)
-        _range(self, "hc_eps", 0, 1)
-        _choice(self, "hc_init", ("default", "identity"))
+        check_choice(self, "hc_preset", HC_PRESETS)
+        check_int(self, "hc_sinkhorn_iters", 1, 1000)
+        check_range(self, "hc_eps", 0, 1)
+        check_choice(self, "hc_init", ("default", "identity"))
         if self.q_lora_rank is not None:
-            _int(self, "q_lora_rank", 1)
-        _int(self, "kv_lora_rank", 1)
-        _int(self, "qk_nope_head_dim", 0)
-        _int(self, "qk_rope_head_dim", 2)
+            check_int(self, "q_lora_rank", 1)
+        check_int(self, "kv_lora_rank", 1)
+        check_int(self, "qk_nope_head_dim", 0)
+        check_int(self, "qk_rope_head_dim", 2)
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"ModelConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
-        _int(self, "v_head_dim", 1)
+        check_int(self, "v_head_dim", 1)
 
     @property
     def head_size(self) -> int:
@@ -252,7 +179,7 @@ class ModelConfig:
 
 
 @dataclass
-class SyntheticDataConfig:
+class SyntheticDataConfig(ConfigBase):
     """The bundled synthetic corpus: grammar stories and key-value recall prompts.
 
     See :mod:`unicache_train.data.synthetic`. Stories have ``story_min_sentences`` to
@@ -271,20 +198,20 @@ class SyntheticDataConfig:
     story_max_sentences: int = 14
 
     def __post_init__(self) -> None:
-        _int(self, "seed", 0)
-        _int(self, "num_stories", 0)
-        _int(self, "num_recall", 0)
+        check_int(self, "seed", 0)
+        check_int(self, "num_stories", 0)
+        check_int(self, "num_recall", 0)
         if self.num_stories + self.num_recall == 0:
             raise ConfigError("SyntheticDataConfig: num_stories + num_recall must be >= 1")
-        _int(self, "recall_num_facts", 1, 10_000)
-        _int(self, "recall_num_questions", 1, self.recall_num_facts)
-        _int(self, "recall_num_filler", 0, 10_000)
-        _int(self, "story_min_sentences", 4, 1000)
-        _int(self, "story_max_sentences", self.story_min_sentences, 1000)
+        check_int(self, "recall_num_facts", 1, 10_000)
+        check_int(self, "recall_num_questions", 1, self.recall_num_facts)
+        check_int(self, "recall_num_filler", 0, 10_000)
+        check_int(self, "story_min_sentences", 4, 1000)
+        check_int(self, "story_max_sentences", self.story_min_sentences, 1000)
 
 
 @dataclass
-class DataConfig:
+class DataConfig(ConfigBase):
     """Where the tokens come from and how they are batched.
 
     ``source`` is ``"synthetic"`` (the bundled corpus, no download) or a path / glob / list of
@@ -336,19 +263,19 @@ class DataConfig:
             raise ConfigError(
                 f"DataConfig.tokenizer={self.tokenizer!r}: expected 'byte' or a local directory"
             )
-        _int(self, "seq_len", 2, 1 << 20)
-        _int(self, "batch_size", 1)
-        _range(self, "val_fraction", 0, 1, hi_open=True)
-        _int(self, "num_workers", 0, 256)
-        _int(self, "seed", 0)
-        _choice(self, "text_sample_by", ("document", "line", "paragraph"))
-        _choice(self, "split_at", ("answer", "question"))
+        check_int(self, "seq_len", 2, 1 << 20)
+        check_int(self, "batch_size", 1)
+        check_range(self, "val_fraction", 0, 1, hi_open=True)
+        check_int(self, "num_workers", 0, 256)
+        check_int(self, "seed", 0)
+        check_choice(self, "text_sample_by", ("document", "line", "paragraph"))
+        check_choice(self, "split_at", ("answer", "question"))
         if not isinstance(self.prompt_loss, bool):
             raise ConfigError(f"DataConfig.prompt_loss={self.prompt_loss!r}: expected a bool")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ConfigBase):
     """Optimisation, schedule, hardware and checkpointing.
 
     ``strategy`` is a Lightning strategy name (``auto``, ``ddp``, ``fsdp``, ...) or one of
@@ -389,19 +316,19 @@ class TrainConfig:
     progress_bar: bool = True
 
     def __post_init__(self) -> None:
-        _int(self, "max_steps", 1)
-        _range(self, "lr", 0, 10, lo_open=True)
-        _range(self, "min_lr_ratio", 0, 1)
-        _int(self, "warmup_steps", 0)
-        _range(self, "weight_decay", 0, 10)
-        _range(self, "beta1", 0, 1, hi_open=True)
-        _range(self, "beta2", 0, 1, hi_open=True)
-        _range(self, "grad_clip", 0)
-        _int(self, "accumulate_grad_batches", 1)
-        _choice(
+        check_int(self, "max_steps", 1)
+        check_range(self, "lr", 0, 10, lo_open=True)
+        check_range(self, "min_lr_ratio", 0, 1)
+        check_int(self, "warmup_steps", 0)
+        check_range(self, "weight_decay", 0, 10)
+        check_range(self, "beta1", 0, 1, hi_open=True)
+        check_range(self, "beta2", 0, 1, hi_open=True)
+        check_range(self, "grad_clip", 0)
+        check_int(self, "accumulate_grad_batches", 1)
+        check_choice(
             self, "precision", ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "64-true")
         )
-        _int(self, "num_nodes", 1)
+        check_int(self, "num_nodes", 1)
         if not (self.devices == "auto" or (isinstance(self.devices, int) and self.devices >= 1)):
             raise ConfigError(
                 f"TrainConfig.devices={self.devices!r}: expected an integer >= 1 or 'auto'"
@@ -409,7 +336,7 @@ class TrainConfig:
         if not isinstance(self.strategy, str) or not self.strategy:
             raise ConfigError(f"TrainConfig.strategy={self.strategy!r}: expected a strategy name")
         if self.strategy.startswith("deepspeed"):
-            _choice(self, "strategy", DEEPSPEED_STRATEGIES)
+            check_choice(self, "strategy", DEEPSPEED_STRATEGIES)
         ds_config = self.deepspeed_config
         if ds_config is not None and (
             not isinstance(ds_config, str) or not ds_config.endswith(".json")
@@ -428,15 +355,15 @@ class TrainConfig:
                 f"TrainConfig.init_weights={self.init_weights!r}: expected None or the path of "
                 "a .safetensors file of Decoder weights"
             )
-        _int(self, "val_every_n_steps", 1)
-        _int(self, "limit_val_batches", 0)
-        _int(self, "log_every_n_steps", 1)
-        _int(self, "checkpoint_every_n_steps", 1)
-        _int(self, "seed", 0)
+        check_int(self, "val_every_n_steps", 1)
+        check_int(self, "limit_val_batches", 0)
+        check_int(self, "log_every_n_steps", 1)
+        check_int(self, "checkpoint_every_n_steps", 1)
+        check_int(self, "seed", 0)
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(ConfigBase):
     """Experiment logging. W&B runs offline by default and never prompts for a login."""
 
     logger: str = "wandb"
@@ -446,12 +373,12 @@ class LoggingConfig:
     wandb_mode: str = "offline"
 
     def __post_init__(self) -> None:
-        _choice(self, "logger", ("wandb", "csv", "tensorboard", "none"))
-        _choice(self, "wandb_mode", ("offline", "online", "disabled"))
+        check_choice(self, "logger", ("wandb", "csv", "tensorboard", "none"))
+        check_choice(self, "wandb_mode", ("offline", "online", "disabled"))
 
 
 @dataclass
-class MonitorConfig:
+class MonitorConfig(ConfigBase):
     """Signal-gain and compression-quality monitoring (see :mod:`unicache_train.monitor`).
 
     The gain alarm is relative to the run's own start: each per-layer forward gain (and the
@@ -468,19 +395,19 @@ class MonitorConfig:
     compress_every_n_steps: int = 10
 
     def __post_init__(self) -> None:
-        _int(self, "gain_every_n_steps", 1)
-        _range(self, "gain_threshold", 1, lo_open=True)
-        _int(self, "gain_baseline_checks", 1)
+        check_int(self, "gain_every_n_steps", 1)
+        check_range(self, "gain_threshold", 1, lo_open=True)
+        check_int(self, "gain_baseline_checks", 1)
         if self.gain_stop_after is not None:
-            _int(self, "gain_stop_after", 1)
-        _int(self, "compress_every_n_steps", 1)
+            check_int(self, "gain_stop_after", 1)
+        check_int(self, "compress_every_n_steps", 1)
 
 
 COMPRESS_METHODS = ("unicache", "xkv", "unicache+xkv", "none")
 
 
 @dataclass
-class CompressionTrainConfig:
+class CompressionTrainConfig(ConfigBase):
     """KV compression inside the training loop (docs/architecture.md#in-loop-semantics).
 
     When ``enabled``, every training step splits each sample at ``s``: tokens ``[0, s)`` are
@@ -540,24 +467,20 @@ class CompressionTrainConfig:
     val_compressed: bool = True
 
     def __post_init__(self) -> None:
-        # NOTE: imported here: compress/config.py builds on this module's validators.
-        from unicache_train.compress.config import UniCacheConfig, XKVConfig
-        from unicache_train.compress.presets import PRESETS
-
         for name in ("enabled", "val_compressed"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"CompressionTrainConfig.{name}={getattr(self, name)!r}: expected a bool"
                 )
-        _choice(self, "method", COMPRESS_METHODS)
-        _choice(self, "preset", tuple(PRESETS))
-        _choice(self, "split", ("data", "random"))
-        _int(self, "min_context", 1, 1 << 20)
-        _int(self, "seed", 0)
-        _choice(self, "loss_on", ("continuation", "all"))
-        _range(self, "kl_weight", 0, 1000)
-        _range(self, "kl_temperature", 0, 100, lo_open=True)
-        _int(self, "curriculum_steps", 0)
+        check_choice(self, "method", COMPRESS_METHODS)
+        check_choice(self, "preset", tuple(PRESETS))
+        check_choice(self, "split", ("data", "random"))
+        check_int(self, "min_context", 1, 1 << 20)
+        check_int(self, "seed", 0)
+        check_choice(self, "loss_on", ("continuation", "all"))
+        check_range(self, "kl_weight", 0, 1000)
+        check_range(self, "kl_temperature", 0, 100, lo_open=True)
+        check_int(self, "curriculum_steps", 0)
         if self.unicache is None or isinstance(self.unicache, dict):
             base = PRESETS[self.preset]().to_dict()
             self.unicache = UniCacheConfig.from_dict(deep_merge(base, self.unicache or {}))
@@ -591,7 +514,7 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(ConfigBase):
     """The whole run: model, data, training, logging, monitoring and in-loop KV compression."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -601,31 +524,8 @@ class RunConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     compress: CompressionTrainConfig = field(default_factory=CompressionTrainConfig)
 
-    # ----------------------------------------------------------------------------- (de)serialise
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
-        return _build(cls, data or {}, "")
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-        """Read a YAML config and apply ``section.field=value`` overrides."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        data = load_yaml(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-        apply_overrides(data, overrides or [])
-        return cls.from_dict(data)
+    #: Sections are named by their keys in errors (``unknown field(s) [...] in model``).
+    config_path: ClassVar[str | None] = ""
 
 
 def pop_config_path(args: list[str], default: str | Path) -> tuple[Path, list[str]]:
@@ -643,49 +543,3 @@ def pop_config_path(args: list[str], default: str | Path) -> tuple[Path, list[st
         path = Path(rest[i + 1])
         del rest[i : i + 2]
     return path, rest
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML, :func:`load_yaml`) to a nested
-    dict in place."""
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like section.field=value")
-        node = data
-        parts = key.lstrip("-").split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = load_yaml(raw)
-    return data
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    """Build dataclass ``cls`` from a nested dict, rejecting unknown keys with a clear message."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or cls.__name__}: expected a mapping, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        where = prefix or "the config"
-        raise ConfigError(f"unknown field(s) {unknown} in {where}; known: {sorted(fields)}")
-    kwargs = {}
-    for name, value in data.items():
-        sub = _SUBCONFIGS.get((cls, name))
-        if sub is not None and isinstance(value, dict):
-            value = _build(sub, value, f"{prefix}.{name}".strip("."))
-        kwargs[name] = value
-    return cls(**kwargs)
-
-
-_SUBCONFIGS: dict[tuple[type, str], type] = {
-    (RunConfig, "model"): ModelConfig,
-    (RunConfig, "data"): DataConfig,
-    (RunConfig, "train"): TrainConfig,
-    (RunConfig, "logging"): LoggingConfig,
-    (RunConfig, "compress"): CompressionTrainConfig,
-    (RunConfig, "monitor"): MonitorConfig,
-    (DataConfig, "synthetic"): SyntheticDataConfig,
-}

@@ -11,15 +11,6 @@ xKV (arXiv 2503.18893; docs/architecture.md#xkv): :class:`XKVCompressor` built f
 compression).
 """
 
-from unicache_train.compress.base import (
-    MODALITY_NAMES,
-    NUM_MODALITIES,
-    CompressionInput,
-    IdentityCompressor,
-    KVCompressor,
-    KVSegment,
-    QuantizedKV,
-)
 from unicache_train.compress.budget import ModalityBudget
 from unicache_train.compress.composer import (
     ComposedCompressor,
@@ -36,6 +27,15 @@ from unicache_train.compress.quantize import Quantize
 from unicache_train.compress.schedule import LayerSchedule
 from unicache_train.compress.state import CompressionState
 from unicache_train.compress.xkv import XKVCompressor
+from unicache_train.seam import (
+    MODALITY_NAMES,
+    NUM_MODALITIES,
+    CompressionInput,
+    IdentityCompressor,
+    KVCompressor,
+    KVSegment,
+    QuantizedKV,
+)
 
 __all__ = [
     "MODALITY_NAMES",

@@ -32,10 +32,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from unicache_train.compress.base import NUM_MODALITIES
 from unicache_train.compress.common import grouped_rank, modality_counts
 from unicache_train.compress.config import BudgetConfig
 from unicache_train.compress.state import CompressionState
+from unicache_train.seam import NUM_MODALITIES
 
 __all__ = ["ModalityBudget", "modality_density", "allocate_rates", "pooled_rates"]
 

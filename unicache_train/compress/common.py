@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from unicache_train.compress.base import NUM_MODALITIES
+from unicache_train.seam import NUM_MODALITIES
 
 __all__ = [
     "WindowStats",

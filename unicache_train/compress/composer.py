@@ -41,13 +41,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unicache_train.compress.base import (
-    MODALITY_NAMES,
-    CompressionInput,
-    IdentityCompressor,
-    KVCompressor,
-    KVSegment,
-)
 from unicache_train.compress.budget import ModalityBudget
 from unicache_train.compress.common import check_modalities
 from unicache_train.compress.config import MAX_RATE, UniCacheConfig
@@ -58,7 +51,14 @@ from unicache_train.compress.merge_evict import MergeEvict
 from unicache_train.compress.protect import AlignmentProtect
 from unicache_train.compress.quantize import Quantize, baseline_kv_bytes, segment_kv_bytes
 from unicache_train.compress.schedule import LayerSchedule
-from unicache_train.compress.state import CompressionState, CompressionStep, identity_segment
+from unicache_train.compress.state import CompressionState, CompressionStep
+from unicache_train.seam import (
+    MODALITY_NAMES,
+    CompressionInput,
+    IdentityCompressor,
+    KVCompressor,
+    KVSegment,
+)
 
 __all__ = [
     "ComposedCompressor",
@@ -173,7 +173,7 @@ class ComposedCompressor:
                 continue
             state = step(state)
         if state.segment is None:
-            seg = identity_segment(state)
+            seg = state.identity_segment()
             # Nothing changed the K/V (rate 0, no head merge, no quantization): attention may
             # take the causal kernel (bit-for-bit the plain forward).
             seg.identity = (

@@ -16,12 +16,19 @@ complexity -> lower rate" are all consistent only with this reading.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from unicache_train.config import ConfigError, _choice, _int, _range
+from unicache_train.validation import (
+    ConfigBase,
+    ConfigError,
+    check_bool,
+    check_choice,
+    check_int,
+    check_nested,
+    check_range,
+)
 
 __all__ = [
     "HeadMergeConfig",
@@ -45,19 +52,13 @@ MAX_RATE = 0.95
 MERGE_RESCALE_RULES = ("k", "kv", "none")
 
 
-def _bool(obj: Any, name: str) -> None:
-    value = getattr(obj, name)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{type(obj).__name__}.{name}={value!r}: expected true or false")
-
-
 def _optional_rate(obj: Any, name: str, hi: float) -> None:
     if getattr(obj, name) is not None:
-        _range(obj, name, 0.0, hi)
+        check_range(obj, name, 0.0, hi)
 
 
 @dataclass
-class HeadMergeConfig:
+class HeadMergeConfig(ConfigBase):
     """Head merging (UniCache article §3.2): KV heads of a layer whose context K/V are similar are
     averaged into one stored copy per group.
 
@@ -74,13 +75,13 @@ class HeadMergeConfig:
     similarity: str = "keys"
 
     def __post_init__(self) -> None:
-        _bool(self, "enabled")
-        _range(self, "threshold", 0.85, 0.92)
-        _choice(self, "similarity", ("keys", "kv"))
+        check_bool(self, "enabled")
+        check_range(self, "threshold", 0.85, 0.92)
+        check_choice(self, "similarity", ("keys", "kv"))
 
 
 @dataclass
-class ImportanceConfig:
+class ImportanceConfig(ConfigBase):
     """Token importance ``s = w_a*a + w_c*c - w_d*d + w_r*r`` (UniCache article §2.3, §4.2, §4.3).
 
     Attributes:
@@ -119,24 +120,24 @@ class ImportanceConfig:
     pool: int = 0
 
     def __post_init__(self) -> None:
-        _bool(self, "enabled")
-        _int(self, "window", 1, 4096)
-        _int(self, "pool", 0, 63)
+        check_bool(self, "enabled")
+        check_int(self, "window", 1, 4096)
+        check_int(self, "pool", 0, 63)
         if self.pool > 1 and self.pool % 2 == 0:
             raise ConfigError(
                 f"ImportanceConfig.pool={self.pool!r} must be odd (a window centred on the "
                 "token), 0 or 1; allowed 0, 1, 3, 5, ..., 63"
             )
         for name in ("w_a", "w_c", "w_d", "w_r", "shallow_w_d", "deep_w_a"):
-            _range(self, name, 0.0, 1.0)
-        _int(self, "neighbours", 4, 8)
-        _int(self, "frame_stride", 0, 1 << 20)
-        _choice(self, "similarity", ("keys", "kv"))
-        _choice(self, "normalize", ("modality", "global"))
+            check_range(self, name, 0.0, 1.0)
+        check_int(self, "neighbours", 4, 8)
+        check_int(self, "frame_stride", 0, 1 << 20)
+        check_choice(self, "similarity", ("keys", "kv"))
+        check_choice(self, "normalize", ("modality", "global"))
 
 
 @dataclass
-class ScheduleConfig:
+class ScheduleConfig(ConfigBase):
     """Per-layer rate on a cosine curve shallow -> deep (UniCache article §4.3, §9 pitfall 4).
 
     The curve goes from ``shallow_rate`` (layer 0) through their mean (middle layer) to
@@ -154,9 +155,9 @@ class ScheduleConfig:
     deep_rate: float = 0.45
 
     def __post_init__(self) -> None:
-        _bool(self, "enabled")
-        _range(self, "shallow_rate", 0.0, MAX_RATE)
-        _range(self, "deep_rate", 0.0, MAX_RATE)
+        check_bool(self, "enabled")
+        check_range(self, "shallow_rate", 0.0, MAX_RATE)
+        check_range(self, "deep_rate", 0.0, MAX_RATE)
         if self.shallow_rate + self.deep_rate == 0:
             raise ConfigError(
                 "ScheduleConfig.shallow_rate + deep_rate must be > 0 (the curve is scaled to "
@@ -165,7 +166,7 @@ class ScheduleConfig:
 
 
 @dataclass
-class BudgetConfig:
+class BudgetConfig(ConfigBase):
     """Modality budgets from information density (UniCache article §5.2).
 
     Attributes:
@@ -195,14 +196,14 @@ class BudgetConfig:
     allocation: str = "density"
 
     def __post_init__(self) -> None:
-        _bool(self, "enabled")
+        check_bool(self, "enabled")
         for name in ("text_cap", "vision_cap", "audio_cap"):
-            _range(self, name, 0.0, MAX_RATE)
+            check_range(self, name, 0.0, MAX_RATE)
         _optional_rate(self, "text_rate", self.text_cap)
         _optional_rate(self, "vision_rate", self.vision_cap)
         _optional_rate(self, "audio_rate", self.audio_cap)
-        _range(self, "density_floor", 0.0, 1.0, lo_open=True)
-        _choice(self, "allocation", ("density", "pooled"))
+        check_range(self, "density_floor", 0.0, 1.0, lo_open=True)
+        check_choice(self, "allocation", ("density", "pooled"))
 
     @property
     def caps(self) -> tuple[float, float, float]:
@@ -218,7 +219,7 @@ class BudgetConfig:
 
 
 @dataclass
-class ProtectConfig:
+class ProtectConfig(ConfigBase):
     """Alignment protection (UniCache article §5.3).
 
     A context token is an *alignment token* when its cross-modal attention share exceeds
@@ -238,13 +239,13 @@ class ProtectConfig:
     discount: float = 0.5
 
     def __post_init__(self) -> None:
-        _bool(self, "enabled")
-        _range(self, "threshold", 0.0, 1.0)
-        _range(self, "discount", 0.0, 1.0)
+        check_bool(self, "enabled")
+        check_range(self, "threshold", 0.0, 1.0)
+        check_range(self, "discount", 0.0, 1.0)
 
 
 @dataclass
-class MergeEvictConfig:
+class MergeEvictConfig(ConfigBase):
     """Execution (UniCache article §6.1, §6.2): merge redundant tokens, evict low-score ones, keep
     the rest.
 
@@ -267,14 +268,14 @@ class MergeEvictConfig:
     merge_rescale: str = "k"
 
     def __post_init__(self) -> None:
-        _bool(self, "enabled")
-        _range(self, "merge_threshold", 0.5, 1.0)
-        _range(self, "evict_threshold", 0.0, self.merge_threshold)
-        _choice(self, "merge_rescale", MERGE_RESCALE_RULES)
+        check_bool(self, "enabled")
+        check_range(self, "merge_threshold", 0.5, 1.0)
+        check_range(self, "evict_threshold", 0.0, self.merge_threshold)
+        check_choice(self, "merge_rescale", MERGE_RESCALE_RULES)
 
 
 @dataclass
-class QuantizeConfig:
+class QuantizeConfig(ConfigBase):
     """Symmetric per-head quantization of the segment (UniCache article §6.3, §9 pitfall 3).
 
     Attributes:
@@ -292,13 +293,13 @@ class QuantizeConfig:
     scale_dtype: str = "float16"
 
     def __post_init__(self) -> None:
-        _bool(self, "enabled")
+        check_bool(self, "enabled")
         if self.bits not in (None, 4, 8, 16) or isinstance(self.bits, bool):
             raise ConfigError(
                 f"QuantizeConfig.bits={self.bits!r} is not allowed; choose one of [4, 8, 16, None]"
             )
-        _choice(self, "granularity", ("token_head", "head"))
-        _choice(self, "scale_dtype", ("float16", "float32"))
+        check_choice(self, "granularity", ("token_head", "head"))
+        check_choice(self, "scale_dtype", ("float16", "float32"))
 
     @property
     def active(self) -> bool:
@@ -307,7 +308,7 @@ class QuantizeConfig:
 
 
 @dataclass
-class FallbackConfig:
+class FallbackConfig(ConfigBase):
     """Dynamic fallback (UniCache article §7.2, §9 pitfall 2), computed on the *uncompressed* input.
 
     ``complexity = log(max(V, 1)) + log(max(T, 1)) + lambda_align * N_align / (T + V)``, with T
@@ -334,17 +335,17 @@ class FallbackConfig:
     high: float = 16.0
 
     def __post_init__(self) -> None:
-        _bool(self, "enabled")
-        _range(self, "lambda_align", 0.0, 10.0)
-        _range(self, "align_threshold", 0.0, 1.0)
-        _range(self, "min_rate", 0.0, MAX_RATE)
-        _range(self, "max_rate", self.min_rate, MAX_RATE)
-        _range(self, "low", 0.0, 100.0)
-        _range(self, "high", self.low, 100.0, lo_open=True)
+        check_bool(self, "enabled")
+        check_range(self, "lambda_align", 0.0, 10.0)
+        check_range(self, "align_threshold", 0.0, 1.0)
+        check_range(self, "min_rate", 0.0, MAX_RATE)
+        check_range(self, "max_rate", self.min_rate, MAX_RATE)
+        check_range(self, "low", 0.0, 100.0)
+        check_range(self, "high", self.low, 100.0, lo_open=True)
 
 
 @dataclass
-class UniCacheConfig:
+class UniCacheConfig(ConfigBase):
     """The whole UniCache pipeline (docs/architecture.md#unicache-pipeline). Steps run in the fixed
     order fallback -> head merge -> importance -> layer rates -> modality budgets -> protection ->
     merge/evict -> quantize.
@@ -374,57 +375,19 @@ class UniCacheConfig:
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
 
     def __post_init__(self) -> None:
-        _range(self, "target_rate", 0.0, MAX_RATE)
-        _range(self, "rate_scale", 0.0, 1.0)
-        _int(self, "cache_dtype_bytes", 1, 8)
-        for f in dataclasses.fields(self):
-            sub = _SUBCONFIGS.get(f.name)
-            if sub is not None and not isinstance(getattr(self, f.name), sub):
-                raise ConfigError(
-                    f"UniCacheConfig.{f.name}={getattr(self, f.name)!r}: expected a {sub.__name__}"
-                )
+        check_range(self, "target_rate", 0.0, MAX_RATE)
+        check_range(self, "rate_scale", 0.0, 1.0)
+        check_int(self, "cache_dtype_bytes", 1, 8)
+        check_nested(self)
 
     @property
     def is_rate_zero(self) -> bool:
         """True when no head or token compression may happen (see ``rate_scale``)."""
         return self.rate_scale == 0 or (self.target_rate == 0 and not self.fallback.enabled)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> UniCacheConfig:
-        """Build from a nested mapping (e.g. a YAML ``compress`` section); unknown keys raise."""
-        data = dict(data or {})
-        _reject_unknown(cls, data, "UniCacheConfig")
-        for name, sub in _SUBCONFIGS.items():
-            if isinstance(data.get(name), dict):
-                _reject_unknown(sub, data[name], f"UniCacheConfig.{name}")
-                data[name] = sub(**data[name])
-        return cls(**data)
-
-
-def _reject_unknown(cls: type, data: dict[str, Any], where: str) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"unknown field(s) {unknown} in {where}; known: {sorted(known)}")
-
-
-_SUBCONFIGS: dict[str, type] = {
-    "head_merge": HeadMergeConfig,
-    "importance": ImportanceConfig,
-    "schedule": ScheduleConfig,
-    "budget": BudgetConfig,
-    "protect": ProtectConfig,
-    "merge_evict": MergeEvictConfig,
-    "quantize": QuantizeConfig,
-    "fallback": FallbackConfig,
-}
-
 
 @dataclass
-class XKVConfig:
+class XKVConfig(ConfigBase):
     """xKV cross-layer SVD compression (arXiv 2503.18893; docs/architecture.md#xkv).
 
     Contiguous groups of ``group_size`` layers; per group and per sample, the context keys
@@ -475,23 +438,13 @@ class XKVConfig:
     cache_dtype_bytes: int = 2
 
     def __post_init__(self) -> None:
-        _int(self, "group_size", 1, 4)
-        _choice(self, "rank_mode", ("fraction", "energy", "ratio"))
-        _range(self, "rank_fraction", 0.0, 1.0, lo_open=True)
-        _range(self, "energy", 0.0, 1.0, lo_open=True)
-        _range(self, "ratio", 1.0, 64.0)
-        _int(self, "min_rank", 1, 1 << 16)
-        _int(self, "refresh_every", 1, 1 << 20)
-        _bool(self, "keys_pre_rope")
-        _choice(self, "gradient", ("exact", "causal"))
-        _int(self, "cache_dtype_bytes", 1, 8)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> XKVConfig:
-        """Build from a mapping (e.g. a YAML ``compress.xkv`` section); unknown keys raise."""
-        data = dict(data or {})
-        _reject_unknown(cls, data, "XKVConfig")
-        return cls(**data)
+        check_int(self, "group_size", 1, 4)
+        check_choice(self, "rank_mode", ("fraction", "energy", "ratio"))
+        check_range(self, "rank_fraction", 0.0, 1.0, lo_open=True)
+        check_range(self, "energy", 0.0, 1.0, lo_open=True)
+        check_range(self, "ratio", 1.0, 64.0)
+        check_int(self, "min_rank", 1, 1 << 16)
+        check_int(self, "refresh_every", 1, 1 << 20)
+        check_bool(self, "keys_pre_rope")
+        check_choice(self, "gradient", ("exact", "causal"))
+        check_int(self, "cache_dtype_bytes", 1, 8)

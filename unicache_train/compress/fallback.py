@@ -23,10 +23,10 @@ from typing import ClassVar
 
 import torch
 
-from unicache_train.compress.base import CompressionInput
 from unicache_train.compress.common import window_stats
 from unicache_train.compress.config import FallbackConfig
 from unicache_train.compress.state import CompressionState
+from unicache_train.seam import CompressionInput
 
 __all__ = ["DynamicFallback", "complexity", "fallback_rate"]
 

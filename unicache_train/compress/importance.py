@@ -30,10 +30,10 @@ from typing import ClassVar
 
 import torch
 
-from unicache_train.compress.base import NUM_MODALITIES
 from unicache_train.compress.common import grouped_minmax, grouped_rank
 from unicache_train.compress.config import ImportanceConfig
 from unicache_train.compress.state import CompressionState
+from unicache_train.seam import NUM_MODALITIES
 
 __all__ = [
     "Importance",

@@ -55,10 +55,10 @@ from typing import ClassVar
 
 import torch
 
-from unicache_train.compress.base import NUM_MODALITIES, KVSegment
 from unicache_train.compress.common import NeighbourSims, grouped_rank, modality_counts
 from unicache_train.compress.config import MERGE_RESCALE_RULES, MergeEvictConfig
 from unicache_train.compress.state import CompressionState
+from unicache_train.seam import NUM_MODALITIES, KVSegment
 
 __all__ = ["MergeEvict", "TokenPlan", "plan_tokens", "merge_tokens", "gather_segment"]
 

@@ -15,7 +15,8 @@ Never a global scale: the source's pitfall is exactly one head's range flattenin
 Scales are stored (and applied) in ``scale_dtype`` (fp16 by default). In the training loop the
 dequantized values pass gradients straight through (STE: the forward sees ``q * scale`` exactly,
 the backward is the identity). Storage: int8 tensors, or int4 packed two per byte (low nibble
-first); :func:`segment_kv_bytes` counts those bytes plus the scales, one copy per head group.
+first, :func:`unicache_train.seam.pack_int4`); :func:`segment_kv_bytes` counts those bytes plus
+the scales, one copy per head group.
 
 Byte baseline (``kv_bytes_ratio``): the uncompressed context cache in 16-bit
 (``cache_dtype_bytes = 2``): ``H_kv * L_ctx * (D_k + D_v) * 2`` bytes per sample and layer
@@ -33,17 +34,14 @@ from typing import ClassVar
 
 import torch
 
-from unicache_train.compress.base import CompressionInput, KVSegment, QuantizedKV
 from unicache_train.compress.config import QuantizeConfig
 from unicache_train.compress.head_merge import num_groups
-from unicache_train.compress.state import CompressionState, identity_segment
+from unicache_train.compress.state import CompressionState
+from unicache_train.seam import CompressionInput, KVSegment, QuantizedKV, pack_int4
 
 __all__ = [
     "Quantize",
     "quantize_symmetric",
-    "pack_int4",
-    "unpack_int4",
-    "dequantize",
     "segment_kv_bytes",
     "baseline_kv_bytes",
 ]
@@ -92,36 +90,6 @@ def quantize_symmetric(
     # STE: the forward value is exactly `deq`, the gradient w.r.t. x is the identity.
     x_q = deq + (x - x.detach())
     return x_q, q.to(torch.int8), scale
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int8 values in [-8, 7], [..., D] -> uint8 [..., ceil(D / 2)], low nibble first."""
-    if q.shape[-1] % 2:
-        q = torch.nn.functional.pad(q, (0, 1))
-    u = (q.to(torch.int16) & 0x0F).to(torch.uint8)
-    return u[..., 0::2] | (u[..., 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: uint8 [..., ceil(D / 2)] -> int8 [..., D]."""
-    lo = (packed & 0x0F).to(torch.int16)
-    hi = (packed >> 4).to(torch.int16)
-    both = torch.stack([lo, hi], -1).flatten(-2)[..., :dim]
-    return torch.where(both > 7, both - 16, both).to(torch.int8)
-
-
-def dequantize(quant: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed storage -> (keys, values) float32 [B, H, M, D]."""
-
-    def one(data: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
-        q = unpack_int4(data, dim) if quant.bits == 4 else data
-        s = scale.float()
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        s = s[..., None] if quant.granularity == "token_head" else s[:, :, None, None]
-        return q.float() * s
-
-    v_dim = quant.value_dim if quant.value_dim is not None else quant.head_dim
-    return one(quant.k_data, quant.k_scale, quant.head_dim), one(quant.v_data, quant.v_scale, v_dim)
 
 
 def segment_kv_bytes(segment: KVSegment, cache_dtype_bytes: int = 2) -> torch.Tensor:
@@ -175,7 +143,7 @@ class Quantize(QuantizeConfig):
     def __call__(self, state: CompressionState) -> CompressionState:
         if not self.active:
             return state
-        seg = state.segment if state.segment is not None else identity_segment(state)
+        seg = state.segment if state.segment is not None else state.identity_segment()
         sdt = _DTYPES[self.scale_dtype]
         bits = int(self.bits)  # type: ignore[arg-type]
         seg.keys, kq, ks = quantize_symmetric(seg.keys, seg.valid, bits, self.granularity, sdt)

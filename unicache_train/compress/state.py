@@ -18,7 +18,6 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from unicache_train.compress.base import CompressionInput, KVSegment
 from unicache_train.compress.common import (
     NeighbourSims,
     WindowStats,
@@ -26,8 +25,9 @@ from unicache_train.compress.common import (
     neighbour_similarity,
     window_stats,
 )
+from unicache_train.seam import CompressionInput, KVSegment, identity_segment
 
-__all__ = ["CompressionState", "CompressionStep", "identity_segment"]
+__all__ = ["CompressionState", "CompressionStep"]
 
 
 @dataclass
@@ -122,6 +122,16 @@ class CompressionState:
             self._window_stats = None
             self._neighbour_sims = None
 
+    def identity_segment(self) -> KVSegment:
+        """Every context token of the current K/V as one entry (rate 0 for the token axis).
+
+        With unmerged heads this holds the input tensors themselves, so attention over it is
+        bit-for-bit the uncompressed attention.
+        """
+        return identity_segment(
+            self.inp, self.keys, self.values, head_groups=self.head_groups, with_assignment=True
+        )
+
     def invalidate(self) -> None:
         """Drop every statistic derived from K/V (call after a structural change)."""
         self._window_stats = None
@@ -136,24 +146,3 @@ class CompressionStep(Protocol):
     stage: ClassVar[int]
 
     def __call__(self, state: CompressionState) -> CompressionState: ...
-
-
-def identity_segment(state: CompressionState) -> KVSegment:
-    """Every context token of the current K/V as one entry (rate 0 for the token axis).
-
-    With unmerged heads this returns the input tensors themselves, so attention over it is
-    bit-for-bit the uncompressed attention.
-    """
-    inp = state.inp
-    B, T = inp.positions.shape
-    t = torch.arange(T, device=inp.positions.device).expand(B, T)
-    return KVSegment(
-        keys=state.keys,
-        values=state.values,
-        positions=inp.positions,
-        modality_ids=inp.modality_ids,
-        counts=torch.ones_like(inp.positions, dtype=state.keys.dtype),
-        valid=inp.context_mask,
-        head_groups=state.head_groups,
-        assignment=torch.where(inp.context_mask, t, -1),
-    )

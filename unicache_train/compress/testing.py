@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from unicache_train.compress.base import NUM_MODALITIES, CompressionInput, KVSegment
 from unicache_train.compress.config import MergeEvictConfig
 from unicache_train.compress.state import CompressionState
+from unicache_train.seam import NUM_MODALITIES, CompressionInput, KVSegment
 
 __all__ = [
     "make_input",

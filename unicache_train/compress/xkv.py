@@ -63,14 +63,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from unicache_train.compress.base import (
+from unicache_train.compress.config import XKVConfig
+from unicache_train.ops.rope import apply_rope
+from unicache_train.seam import (
     CompressionInput,
     KVCompressor,
     KVSegment,
     LowRankKV,
+    RecordingCompressor,
+    identity_segment,
 )
-from unicache_train.compress.config import XKVConfig
-from unicache_train.config import ConfigError
+from unicache_train.validation import ConfigError
 
 __all__ = [
     "XKVCompressor",
@@ -177,32 +180,6 @@ def _rank_mask(rank: torch.Tensor, r_max: int) -> torch.Tensor:
     return (cols[None, :] < rank[:, None]).float()[:, None, :]
 
 
-# ------------------------------------------------------------------------------ recording
-class _Recorder:
-    """Phase A at the seam: returns the context unchanged (the plain prefill) and keeps what
-    it saw. With ``pre_rope`` the seam rotates the returned segment's keys in place, so
-    ``segments[l].keys`` ends up post-RoPE while ``inputs[l].keys`` stays pre-RoPE."""
-
-    def __init__(self, pre_rope: bool) -> None:
-        self.pre_rope = pre_rope
-        self.inputs: dict[int, CompressionInput] = {}
-        self.segments: dict[int, KVSegment] = {}
-
-    def __call__(self, inp: CompressionInput) -> KVSegment:
-        seg = KVSegment(
-            keys=inp.keys,
-            values=inp.values,
-            positions=inp.positions,
-            modality_ids=inp.modality_ids,
-            counts=torch.ones_like(inp.positions, dtype=inp.keys.dtype),
-            valid=inp.context_mask,
-            identity=True,  # the plain prefill: the seam runs causal attention
-        )
-        self.inputs[inp.layer_idx] = inp
-        self.segments[inp.layer_idx] = seg
-        return seg
-
-
 # ------------------------------------------------------------------------------ fitted state
 @dataclass
 class _Side:
@@ -256,7 +233,7 @@ class XKVCompressor:
     """Cross-layer SVD compression (xKV) behind the per-layer seam (see the module docstring).
 
     Pass it as any compressor (``model(ids, split=split, compressor=xkv)``, training, evaluation,
-    :func:`~unicache_train.compress.inference.prefill_compressed`): the decoder sees
+    :func:`~unicache_train.model.generate.prefill_compressed`): the decoder sees
     ``cross_layer`` and calls :meth:`prepare` and :meth:`release` around the in-loop forward.
 
     Args:
@@ -360,7 +337,7 @@ class XKVCompressor:
         L = T if full else S
         kw = {k: _prefix(v, T, L) for k, v in kwargs.items()}
         ids = input_ids[:, :L] if input_ids is not None else None
-        rec = _Recorder(self.pre_rope)
+        rec = RecordingCompressor(pre_rope=self.pre_rope)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not causal):
             out = model(ids, split=split, compressor=rec, **kw)
         self._state = self._fit(rec, S, step)
@@ -377,7 +354,7 @@ class XKVCompressor:
         self._last, self._state = self._state, None
 
     # ---------------------------------------------------------------------- fitting
-    def _fit(self, rec: _Recorder, S: int, step: int | None) -> _Prepared:
+    def _fit(self, rec: RecordingCompressor, S: int, step: int | None) -> _Prepared:
         layers = sorted(rec.inputs)
         num_layers = rec.inputs[layers[0]].num_layers
         if layers != list(range(num_layers)):
@@ -394,7 +371,7 @@ class XKVCompressor:
         return _Prepared(groups, identity=False, prefill=S)
 
     def _group_rows(
-        self, rec: _Recorder, members: tuple[int, ...], S: int
+        self, rec: RecordingCompressor, members: tuple[int, ...], S: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, dict[str, Any]]:
         """Per member: keys [B, M, Hk*D] (pre-RoPE if configured), values, and the entries'
         metadata (positions, validity, counts, ...)."""
@@ -432,8 +409,6 @@ class XKVCompressor:
         k = seg.keys
         if self.pre_rope:
             cos, sin = self._rotary(seg.positions, torch.float32)
-            from unicache_train.model.rope import apply_rope
-
             k = apply_rope(k.float(), cos, -sin).to(seg.keys.dtype)  # R(p)^-1 = R(-p)
         keys = [flatten_heads(k[:, i * Hk : (i + 1) * Hk]) for i in range(len(members))]
         values = [flatten_heads(seg.values[:, i * Hk : (i + 1) * Hk]) for i in range(len(members))]
@@ -483,7 +458,9 @@ class XKVCompressor:
             side.token = sum(x.float() @ side.layer_basis(j) for j, x in enumerate(masked))  # type: ignore[assignment]
         return side
 
-    def _fit_group(self, rec: _Recorder, members: tuple[int, ...], S: int, pooled: bool) -> _Group:
+    def _fit_group(
+        self, rec: RecordingCompressor, members: tuple[int, ...], S: int, pooled: bool
+    ) -> _Group:
         keys, values, meta = self._group_rows(rec, members, S)
         first = rec.inputs[members[0]]
         context_tokens = first.context_mask.sum(1)
@@ -585,17 +562,7 @@ class XKVCompressor:
 
     def _identity(self, inp: CompressionInput) -> KVSegment:
         """Rate 0: the context as is (what the curriculum starts from)."""
-        T = inp.keys.shape[2]
-        t = torch.arange(T, device=inp.keys.device)
-        seg = KVSegment(
-            keys=inp.keys,
-            values=inp.values,
-            positions=inp.positions,
-            modality_ids=inp.modality_ids,
-            counts=torch.ones_like(inp.positions, dtype=inp.keys.dtype),
-            valid=inp.context_mask,
-            assignment=torch.where(inp.context_mask, t[None, :], -1),
-        )
+        seg = identity_segment(inp, with_assignment=True)
         base = self._baseline(
             inp.context_mask.sum(1), inp.keys.shape[1], inp.keys.shape[-1], inp.values.shape[-1]
         ).sum()

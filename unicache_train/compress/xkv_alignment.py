@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from unicache_train.compress.xkv import _Recorder, flatten_heads
+from unicache_train.compress.xkv import flatten_heads
+from unicache_train.seam import RecordingCompressor
 
 __all__ = [
     "collect_context_kv",
@@ -59,7 +60,7 @@ def collect_context_kv(
     B, T = input_ids.shape
     if split is None:
         split = torch.full((B,), T, dtype=torch.long, device=input_ids.device)
-    rec = _Recorder(pre_rope)
+    rec = RecordingCompressor(pre_rope=pre_rope)
     model(input_ids, modality_ids=modality_ids, split=split, compressor=rec)
     layers = sorted(rec.inputs)
     keys = [flatten_heads(rec.inputs[i].keys).float() for i in layers]

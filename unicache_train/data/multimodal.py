@@ -42,10 +42,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from unicache_train.config import ConfigError, _choice, _int, _range
 from unicache_train.data.datamodule import LMDataModule
 from unicache_train.data.scenes import IMAGE_MARK, TASKS, SceneConfig, make_sample, scene_words
 from unicache_train.data.tokenizer import Tokenizer, WordTokenizer, load_tokenizer
+from unicache_train.validation import ConfigError
+from unicache_train.validation import check_choice as _choice
+from unicache_train.validation import check_int as _int
+from unicache_train.validation import check_range as _range
 
 __all__ = [
     "MultimodalDataConfig",

@@ -40,7 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from unicache_train.config import ConfigError, _int, _range
+from unicache_train.validation import ConfigError
+from unicache_train.validation import check_int as _int
+from unicache_train.validation import check_range as _range
 
 __all__ = [
     "SceneConfig",

@@ -7,7 +7,7 @@ Three ways through :meth:`Attention.forward`:
 
 1. plain causal attention (training without compression, evaluation);
 2. incremental decoding with a :class:`~unicache_train.model.kv_cache.KVCache` (or a
-   :class:`~unicache_train.compress.inference.CompressedKVCache`: a compressed segment per
+   :class:`~unicache_train.model.compressed_cache.CompressedKVCache`: a compressed segment per
    layer plus the decoded tokens, with the segment's ``log(count)`` bias);
 3. the **compression seam** (``split`` and ``compressor`` given): tokens ``t < split[b]`` are the
    context and attend causally to the full context (prefill); the context K/V are handed to the
@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unicache_train.compress.base import CompressionInput, KVCompressor, KVSegment
 from unicache_train.config import ModelConfig
 from unicache_train.model.kv_cache import KVCache
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import apply_rope
+from unicache_train.seam import CompressionInput, KVCompressor, KVSegment
 
 
 class QKV(NamedTuple):
@@ -115,8 +115,9 @@ class Attention(nn.Module):
             k_all, v_all = cache.update(self.layer_idx, k_rot, v)  # [B, Hk, S, D]
             # A chunk of T new queries sees all S - T cached keys and is causal within itself.
             mask = None
-            # A compressed cache (compress/inference.py) brings its own additive bias [B, 1, T, S]:
-            # log(count) on merged entries, padding entries masked, causal on the new tokens.
+            # A compressed cache (model/compressed_cache.py) brings its own additive bias
+            # [B, 1, T, S]: log(count) on merged entries, padding entries masked, causal on the
+            # new tokens.
             cache_bias = getattr(cache, "attention_bias", None)
             if cache_bias is not None:
                 mask = cache_bias(self.layer_idx, T, q_rot.dtype)
@@ -226,6 +227,20 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q_rot, keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
+def count_bias(counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The logit bias of segment entries: ``log(count)`` (0 for a kept token), as token merging
+    does (an entry standing for ``n`` agreeing tokens gets their summed attention weight).
+
+    Args:
+        counts: [..., M] float, original tokens per entry (:attr:`KVSegment.counts`).
+        dtype: dtype of the attention logits.
+
+    Returns:
+        [..., M] in ``dtype``.
+    """
+    return torch.log(counts.clamp_min(1.0)).to(dtype)
+
+
 #: How the seam's attention runs (see :func:`segment_attention_mode`): ``"auto"``,
 #: ``"batched"`` or ``"per_sample"``.
 SEGMENT_ATTENTION = "auto"
@@ -292,7 +307,7 @@ def attend_segment_per_sample(
             keep = segment.valid[b]  # [M]
             sk, sv = sks[b][None, :, keep], svs[b][None, :, keep]  # [1, Hk, M_b, D]
             C, M_b = T - s, sk.shape[2]
-            bias = torch.log(segment.counts[b, keep].clamp_min(1.0)).to(q.dtype)  # [M_b]
+            bias = count_bias(segment.counts[b, keep], q.dtype)  # [M_b]
             t = torch.arange(C, device=q.device)
             causal = torch.where(t[None, :] <= t[:, None], 0.0, torch.finfo(q.dtype).min)
             mask = torch.cat([bias.expand(C, M_b), causal.to(q.dtype)], dim=-1)  # [C, M_b + C]
@@ -326,7 +341,7 @@ def segment_attention_mask(
     is_cont = t[None, :] >= split[:, None]  # [B, T] query is a continuation token
     # Segment part [B, T, M]: continuation queries only, valid entries only.
     seg_ok = is_cont[:, :, None] & segment.valid[:, None, :]
-    seg_bias = torch.log(segment.counts.clamp_min(1.0)).to(dtype)  # [B, M]
+    seg_bias = count_bias(segment.counts, dtype)  # [B, M]
     # Full-sequence part [B, T, T]: causal; a continuation query skips the raw context,
     # which it sees only through the segment.
     causal = t[None, :] <= t[:, None]  # [T, T]
@@ -363,6 +378,7 @@ __all__ = [
     "Attention",
     "QKV",
     "attend_segment_per_sample",
+    "count_bias",
     "kv_bytes_per_token",
     "segment_attention_mask",
     "segment_attention_mode",

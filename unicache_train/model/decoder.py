@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unicache_train.compress.base import KVCompressor, find_cross_layer
 from unicache_train.config import ModelConfig
 from unicache_train.model.attention import Attention
 from unicache_train.model.kv_cache import KVCache, new_kv_cache
 from unicache_train.model.mlp import SwiGLU
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import RotaryEmbedding
+from unicache_train.seam import KVCompressor, find_cross_layer
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
 

@@ -53,7 +53,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unicache_train.compress.base import CompressionInput, KVCompressor, KVSegment
 from unicache_train.config import ModelConfig
 from unicache_train.model.attention import (
     _gather_rope,
@@ -64,6 +63,7 @@ from unicache_train.model.attention import (
 from unicache_train.model.kv_cache import KVCache, LatentKVCache
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import apply_rope
+from unicache_train.seam import CompressionInput, KVCompressor, KVSegment
 
 # NOTE: DeepSeek (and HF DeepseekV3) build q_a_layernorm / kv_a_layernorm with the default eps
 # whatever config.rms_norm_eps says; we match it for checkpoint parity.

@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# NOTE: the rotation itself is a pure function in ops, so that compressors (pre-RoPE keys) use
+# it without importing the model; attention imports it from here beside the tables.
+from unicache_train.ops.rope import apply_rope, rotate_half
+
+__all__ = ["RotaryEmbedding", "apply_rope", "rotate_half"]
+
 
 class RotaryEmbedding(nn.Module):
     """Produces cos/sin tables for integer positions.
@@ -25,15 +31,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, D]; cos/sin: [B, T, D] -> [B, H, T, D]."""
-    cos = cos.unsqueeze(1)  # [B, 1, T, D]
-    sin = sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unicache_train.config import ConfigError, _choice, _int, _range
 from unicache_train.model.mlp import SwiGLU
 from unicache_train.model.norm import RMSNorm
+from unicache_train.validation import ConfigError, check_choice, check_int, check_range
 
 __all__ = ["VisionConfig", "VisionEncoder", "Projector", "patchify"]
 
@@ -66,24 +66,24 @@ class VisionConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
-        _int(self, "image_size", 1, 4096)
-        _int(self, "patch_size", 1, self.image_size)
+        check_int(self, "image_size", 1, 4096)
+        check_int(self, "patch_size", 1, self.image_size)
         if self.image_size % self.patch_size:
             raise ConfigError(
                 f"VisionConfig.image_size={self.image_size} is not a multiple of "
                 f"patch_size={self.patch_size}"
             )
-        _int(self, "num_channels", 1, 16)
-        _int(self, "hidden_size", 1)
-        _int(self, "intermediate_size", 1)
-        _int(self, "num_hidden_layers", 0, 64)
-        _int(self, "num_attention_heads", 1, self.hidden_size)
+        check_int(self, "num_channels", 1, 16)
+        check_int(self, "hidden_size", 1)
+        check_int(self, "intermediate_size", 1)
+        check_int(self, "num_hidden_layers", 0, 64)
+        check_int(self, "num_attention_heads", 1, self.hidden_size)
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"VisionConfig.num_attention_heads={self.num_attention_heads} must divide "
                 f"hidden_size={self.hidden_size}"
             )
-        _choice(self, "projector", ("mlp", "linear"))
+        check_choice(self, "projector", ("mlp", "linear"))
         if not isinstance(self.freeze_encoder, bool):
             raise ConfigError(
                 f"VisionConfig.freeze_encoder={self.freeze_encoder!r}: expected true or false"
@@ -95,8 +95,8 @@ class VisionConfig:
                 f"VisionConfig.init_weights={self.init_weights!r}: expected None or the path of "
                 "a .safetensors file of vision tower weights"
             )
-        _range(self, "rms_norm_eps", 0, 1, lo_open=True)
-        _range(self, "initializer_range", 0, 1, lo_open=True)
+        check_range(self, "rms_norm_eps", 0, 1, lo_open=True)
+        check_range(self, "initializer_range", 0, 1, lo_open=True)
 
     @property
     def grid_size(self) -> int:

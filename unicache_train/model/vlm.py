@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from unicache_train.compress.base import KVCompressor
 from unicache_train.config import ModelConfig
 from unicache_train.model.decoder import Decoder, DecoderOutput
 from unicache_train.model.kv_cache import KVCache
 from unicache_train.model.vision import Projector, VisionConfig, VisionEncoder
+from unicache_train.seam import KVCompressor
 
 __all__ = ["VisionLanguageModel", "VISION_MODALITY"]
 

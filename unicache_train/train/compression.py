@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from unicache_train.compress.base import IdentityCompressor, KVCompressor
 from unicache_train.config import CompressionTrainConfig
 from unicache_train.model.loss import IGNORE_INDEX, masked_nll  # in __all__: shared by train/eval
+from unicache_train.seam import IdentityCompressor, KVCompressor
 
 __all__ = [
     "IGNORE_INDEX",
@@ -44,6 +44,7 @@ __all__ = [
     "layer_mean_stats",
     "step_generator",
 ]
+
 
 def build_compressor(config: CompressionTrainConfig) -> KVCompressor:
     """The compressor a run trains with: UniCache, xKV, UniCache then xKV, or the identity (on

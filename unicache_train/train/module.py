@@ -11,10 +11,10 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from unicache_train.compress.base import find_cross_layer
 from unicache_train.config import RunConfig
 from unicache_train.model import Decoder
 from unicache_train.model.loss import causal_lm_loss  # re-exported: recipes/scripts import it here
+from unicache_train.seam import find_cross_layer
 from unicache_train.train.compression import (
     IGNORE_INDEX,
     build_compressor,

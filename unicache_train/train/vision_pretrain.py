@@ -21,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unicache_train.config import ConfigError, _int, _range
+from unicache_train.config import ConfigError
 from unicache_train.data.scenes import NUM_CELL_CLASSES, SceneConfig, make_sample
 from unicache_train.model.vision import VisionEncoder
+from unicache_train.validation import check_int as _int
+from unicache_train.validation import check_range as _range
 
 __all__ = ["VisionPretrainConfig", "pretrain_vision_tower", "scene_patch_batch"]
 

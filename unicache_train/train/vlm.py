@@ -28,7 +28,6 @@ from unicache_train.config import (
     ModelConfig,
     MonitorConfig,
     TrainConfig,
-    _build,
     apply_overrides,
     load_yaml,
 )
@@ -38,6 +37,7 @@ from unicache_train.model.vision import VisionConfig
 from unicache_train.model.vlm import VisionLanguageModel
 from unicache_train.train.compression import IGNORE_INDEX
 from unicache_train.train.module import LMModule
+from unicache_train.validation import build_config as _build
 
 __all__ = [
     "VLMRunConfig",

@@ -1,4 +1,7 @@
-"""The compressor contract: what attention hands a KV compressor and what it gets back.
+"""The compression seam's contract: what attention hands a KV compressor and what it gets back.
+
+This module imports only torch: the model (:mod:`unicache_train.model`) and the compressors
+(:mod:`unicache_train.compress`) both build on it and never on each other.
 
 A compressor is a pure function of tensors, called inside the autograd graph at one named point
 of attention (``Attention._compress_context``). It sees one layer's context K/V and returns a
@@ -30,8 +33,13 @@ __all__ = [
     "CompressionInput",
     "KVCompressor",
     "IdentityCompressor",
+    "RecordingCompressor",
+    "identity_segment",
     "QuantizedKV",
     "LowRankKV",
+    "pack_int4",
+    "unpack_int4",
+    "dequantize",
     "find_cross_layer",
     "MODALITY_NAMES",
     "NUM_MODALITIES",
@@ -70,6 +78,36 @@ class QuantizedKV:
     v_scale: torch.Tensor
     head_dim: int
     value_dim: int | None = None
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7], [..., D] -> uint8 [..., ceil(D / 2)], low nibble first."""
+    if q.shape[-1] % 2:
+        q = torch.nn.functional.pad(q, (0, 1))
+    u = (q.to(torch.int16) & 0x0F).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: uint8 [..., ceil(D / 2)] -> int8 [..., D]."""
+    lo = (packed & 0x0F).to(torch.int16)
+    hi = (packed >> 4).to(torch.int16)
+    both = torch.stack([lo, hi], -1).flatten(-2)[..., :dim]
+    return torch.where(both > 7, both - 16, both).to(torch.int8)
+
+
+def dequantize(quant: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed storage -> (keys, values) float32 [B, H, M, D]."""
+
+    def one(data: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+        q = unpack_int4(data, dim) if quant.bits == 4 else data
+        s = scale.float()
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        s = s[..., None] if quant.granularity == "token_head" else s[:, :, None, None]
+        return q.float() * s
+
+    v_dim = quant.value_dim if quant.value_dim is not None else quant.head_dim
+    return one(quant.k_data, quant.k_scale, quant.head_dim), one(quant.v_data, quant.v_scale, v_dim)
 
 
 @dataclass
@@ -234,6 +272,51 @@ class KVCompressor(Protocol):
     def __call__(self, inp: CompressionInput) -> KVSegment: ...
 
 
+def identity_segment(
+    inp: CompressionInput,
+    keys: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    *,
+    head_groups: torch.Tensor | None = None,
+    with_assignment: bool = False,
+    identity: bool = False,
+) -> KVSegment:
+    """Every context token as its own entry (rate 0 on the token axis).
+
+    Args:
+        inp: the seam's input (positions, modalities and ``context_mask`` become the entries').
+        keys, values: [B, H_kv, T, D] the K/V to store (default: the input's; a step that merged
+            heads passes its merged K/V with ``head_groups``).
+        head_groups: [B, H_kv] group id per KV head after head merging, or None.
+        with_assignment: fill ``assignment`` (token ``t`` went to entry ``t``; -1 outside the
+            context).
+        identity: mark the segment as the untouched context, so the seam takes the causal
+            kernel (only when ``keys``/``values`` are the input's and nothing changes them
+            later).
+
+    Returns:
+        :class:`KVSegment` whose ``keys``/``values`` are the given tensors themselves (no copy),
+        every count 1, ``valid`` the context mask.
+    """
+    keys = inp.keys if keys is None else keys
+    values = inp.values if values is None else values
+    assignment = None
+    if with_assignment:
+        t = torch.arange(inp.positions.shape[1], device=inp.positions.device)
+        assignment = torch.where(inp.context_mask, t, -1)  # [B, T]
+    return KVSegment(
+        keys=keys,
+        values=values,
+        positions=inp.positions,
+        modality_ids=inp.modality_ids,
+        counts=torch.ones_like(inp.positions, dtype=keys.dtype),
+        valid=inp.context_mask,
+        head_groups=head_groups,
+        assignment=assignment,
+        identity=identity,
+    )
+
+
 class IdentityCompressor:
     """Keeps every context token unchanged (rate 0). The in-loop forward with this compressor
     computes exactly the plain causal forward: the reference every real compressor is tested
@@ -242,16 +325,42 @@ class IdentityCompressor:
     pre_rope = False
 
     def __call__(self, inp: CompressionInput) -> KVSegment:
-        counts = torch.ones_like(inp.positions, dtype=inp.keys.dtype)
-        return KVSegment(
-            keys=inp.keys,
-            values=inp.values,
-            positions=inp.positions,
-            modality_ids=inp.modality_ids,
-            counts=counts,
-            valid=inp.context_mask,
-            identity=True,
-        )
+        return identity_segment(inp, identity=True)
+
+
+class RecordingCompressor:
+    """Keeps, per layer, what the seam handed over and the segment that went back.
+
+    With ``inner`` it wraps that compressor (a prefill that stores each layer's segment in a
+    decoding cache, an evaluation that inspects them); ``inner`` is the attribute
+    :func:`find_cross_layer` looks through. Without, it returns the context unchanged: the
+    plain prefill (``identity`` segments, the seam runs causal attention), e.g. the recording
+    pass of a cross-layer compressor.
+
+    With ``pre_rope`` the seam rotates the returned segment's keys in place after the call, so
+    ``segments[l].keys`` end up post-RoPE while ``inputs[l].keys`` stay pre-RoPE.
+
+    Args:
+        inner: the compressor to wrap, or None for the identity.
+        pre_rope: whether the seam hands over pre-RoPE keys (default: ``inner``'s, else False).
+    """
+
+    def __init__(self, inner: KVCompressor | None = None, *, pre_rope: bool | None = None) -> None:
+        self.inner = inner
+        if pre_rope is None:
+            pre_rope = bool(getattr(inner, "pre_rope", False))
+        self.pre_rope = pre_rope
+        self.inputs: dict[int, CompressionInput] = {}
+        self.segments: dict[int, KVSegment] = {}
+
+    def __call__(self, inp: CompressionInput) -> KVSegment:
+        if self.inner is None:
+            seg = identity_segment(inp, identity=True)
+        else:
+            seg = self.inner(inp)
+        self.inputs[inp.layer_idx] = inp
+        self.segments[inp.layer_idx] = seg
+        return seg
 
 
 def find_cross_layer(compressor: object) -> Any:

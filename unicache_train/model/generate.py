@@ -1,0 +1,229 @@
+"""Decoding on a real compressed KV cache: prefill, compress every layer, decode token by token.
+
+Shape legend: B, P, T, V = batch, prompt tokens, tokens, vocab.
+
+::
+
+    prompt [B, P] ─► prefill (every prompt token is context: full causal attention)
+                        └─ each layer, at the seam: context K/V ─► compressor ─► KVSegment
+                                                                                   │
+    CompressedKVCache (unicache_train.model.compressed_cache): one stored segment per layer
+                                                                                   │
+    decode step: new token ─► q,k,v ─► attends [stored segment (+log count) ; decoded K/V]
+
+This is what the in-loop training forward computes in parallel
+(docs/architecture.md#in-loop-semantics): for a sample split at ``s``, the logits of positions
+``s - 1 .. T - 1`` of ``model(ids, split=s, compressor=c)`` equal :func:`decode_teacher_forced`'s
+(tested to 1e-5 in fp32, also with int8, because the packed storage dequantizes to exactly the
+values the seam attended).
+
+The prefill goes through the model's compression seam with every prompt token as context, so the
+compressor receives exactly the :class:`~unicache_train.seam.CompressionInput` it gets in
+training (queries for its observation window included). Ragged prompts of a batch are right
+padded to the longest; padding lies after each sample's split, so causal attention and the
+compressor (which only reads context tokens) never see it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from unicache_train.model.compressed_cache import CompressedKVCache, StoredSegment
+from unicache_train.model.decoder import Decoder
+from unicache_train.seam import KVCompressor, RecordingCompressor
+
+__all__ = [
+    "CompressedGeneration",
+    "prefill_compressed",
+    "decode_teacher_forced",
+    "generate_compressed",
+]
+
+
+def _as_split(split: int | torch.Tensor, B: int, device: torch.device) -> torch.Tensor:
+    if isinstance(split, int):
+        return torch.full((B,), split, dtype=torch.long, device=device)
+    return split.to(device=device, dtype=torch.long)
+
+
+def _check_model(model: Decoder) -> None:
+    if model.config.attention_type == "mla":
+        raise NotImplementedError(
+            "compressed decoding of the MLA latent cache is not implemented; evaluate MLA models "
+            "with the in-loop forward (model(ids, split=..., compressor=...))"
+        )
+
+
+@torch.no_grad()
+def prefill_compressed(
+    model: Decoder,
+    input_ids: torch.Tensor,
+    split: int | torch.Tensor,
+    compressor: KVCompressor,
+    *,
+    modality_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    cache_dtype_bytes: int = 2,
+) -> tuple[CompressedKVCache, torch.Tensor]:
+    """Prefill the prompts ``input_ids[b, :split[b]]`` and compress every layer's cache.
+
+    Args:
+        model: a GQA :class:`~unicache_train.model.Decoder`.
+        input_ids: [B, P] token ids; only ``[0, split[b])`` of each row is read (the rest may be
+            padding or the continuation).
+        split: prompt length per sample, an int or [B] (each in ``[1, P]``).
+        compressor: the KV compressor (the same object training used).
+        modality_ids: [B, P] (default: text).
+        inputs_embeds: [B, P, C] prompt embeddings to prefill instead of embedding
+            ``input_ids`` (e.g. text with projected image patches at the vision positions,
+            :meth:`~unicache_train.model.vlm.VisionLanguageModel.embed`); ``input_ids`` still
+            gives the shape and the decoded tokens are embedded as usual.
+        cache_dtype_bytes: bytes per element of the deployed floating cache (accounting).
+
+    Returns:
+        (cache, logits [B, V] of each prompt's last token, i.e. the first generated token's).
+    """
+    _check_model(model)
+    B = input_ids.shape[0]
+    split_t = _as_split(split, B, input_ids.device)
+    if int(split_t.min()) < 1 or int(split_t.max()) > input_ids.shape[1]:
+        raise ValueError(f"split {split_t.tolist()} out of range [1, {input_ids.shape[1]}]")
+    P = int(split_t.max())
+    ids = input_ids[:, :P]
+    mods = modality_ids[:, :P] if modality_ids is not None else None
+    capture = RecordingCompressor(compressor)
+    last_pos = (split_t - 1)[:, None]  # [B, 1]: only the last prompt token's logits are needed
+    if inputs_embeds is not None:
+        if tuple(inputs_embeds.shape[:2]) != tuple(input_ids.shape):
+            raise ValueError(
+                f"inputs_embeds of shape {tuple(inputs_embeds.shape)} do not match input_ids "
+                f"{tuple(input_ids.shape)}: expected [B, P, C]"
+            )
+        embeds = inputs_embeds[:, :P]
+        out = model(inputs_embeds=embeds, modality_ids=mods, split=split_t, compressor=capture,
+                    logits_at=last_pos)
+    else:
+        out = model(ids, modality_ids=mods, split=split_t, compressor=capture, logits_at=last_pos)
+    cache = CompressedKVCache(model.config.num_hidden_layers, cache_dtype_bytes)
+    for layer_idx, seg in capture.segments.items():
+        if capture.pre_rope and seg.quant is not None:
+            raise NotImplementedError(
+                "packed storage of a pre-RoPE compressor is not supported by the decoding cache"
+            )
+        # NOTE: the seam rotated a pre-RoPE segment's keys in place of seg.keys after the
+        # compressor returned; the recorder kept the object (not a copy): the rotated keys.
+        n_ctx = capture.inputs[layer_idx].context_mask.sum(1)
+        cache.set_segment(layer_idx, StoredSegment.from_segment(seg, n_ctx))
+    cache.stats = out.compression
+    return cache, out.logits[:, 0]  # [B, V]
+
+
+def _decode(
+    model: Decoder, cache: CompressedKVCache, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """One decode call: tokens, positions [B, t] -> logits [B, t, V]."""
+    mods = torch.zeros_like(tokens)
+    return model(tokens, positions=positions, modality_ids=mods, cache=cache).logits
+
+
+@torch.no_grad()
+def decode_teacher_forced(
+    model: Decoder,
+    input_ids: torch.Tensor,
+    split: int | torch.Tensor,
+    compressor: KVCompressor,
+    *,
+    modality_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, CompressedKVCache]:
+    """Prefill ``[0, split)``, compress, then feed the continuation one token at a time.
+
+    Args:
+        input_ids: [B, T].
+        split: int or [B].
+        inputs_embeds: [B, T, C] prompt embeddings (see :func:`prefill_compressed`).
+
+    Returns:
+        (logits [B, T, V] with NaN before position ``split[b] - 1``, the cache).
+    """
+    B, T = input_ids.shape
+    split_t = _as_split(split, B, input_ids.device)
+    cache, first = prefill_compressed(
+        model, input_ids, split_t, compressor, modality_ids=modality_ids,
+        inputs_embeds=inputs_embeds,
+    )  # fmt: skip
+    V = first.shape[-1]
+    out = torch.full((B, T, V), float("nan"), dtype=first.dtype, device=first.device)
+    rows = torch.arange(B, device=input_ids.device)
+    out[rows, split_t - 1] = first
+    for i in range(T - int(split_t.min())):
+        pos = split_t + i  # [B] position of the token fed now
+        live = pos < T
+        tok = input_ids.gather(1, pos.clamp(max=T - 1)[:, None])  # [B, 1]
+        logits = _decode(model, cache, tok, pos[:, None])[:, 0]  # [B, V]
+        out[rows[live], pos[live]] = logits[live]
+    return out, cache
+
+
+@dataclass
+class CompressedGeneration:
+    """Greedy tokens generated on a compressed cache.
+
+    Attributes:
+        tokens: [B, N] generated ids (after ``eos_token_id``, a sequence repeats it).
+        cache: the cache after generation (``kv_bytes()`` / ``baseline_bytes()``).
+    """
+
+    tokens: torch.Tensor
+    cache: CompressedKVCache
+
+
+@torch.no_grad()
+def generate_compressed(
+    model: Decoder,
+    input_ids: torch.Tensor,
+    split: int | torch.Tensor,
+    compressor: KVCompressor,
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | None = None,
+    modality_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+) -> CompressedGeneration:
+    """Greedy decoding after the prompts ``input_ids[b, :split[b]]``, on the compressed cache.
+
+    Args:
+        model: a GQA decoder (eval mode is the caller's business; no dropout here anyway).
+        input_ids: [B, P] right-padded prompts.
+        split: prompt lengths, int or [B].
+        compressor: the KV compressor.
+        max_new_tokens: tokens to generate (N).
+        eos_token_id: once emitted, a sequence keeps emitting it.
+        modality_ids: [B, P] of the prompts (default: text).
+        inputs_embeds: [B, P, C] prompt embeddings (see :func:`prefill_compressed`).
+
+    Returns:
+        :class:`CompressedGeneration`.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    B = input_ids.shape[0]
+    split_t = _as_split(split, B, input_ids.device)
+    cache, logits = prefill_compressed(
+        model, input_ids, split_t, compressor, modality_ids=modality_ids,
+        inputs_embeds=inputs_embeds,
+    )  # fmt: skip
+    done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    out = []
+    for i in range(max_new_tokens):
+        nxt = logits.float().argmax(-1)  # [B]
+        if eos_token_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+            done |= nxt == eos_token_id
+        out.append(nxt)
+        if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+            break
+        logits = _decode(model, cache, nxt[:, None], (split_t + i)[:, None])[:, 0]
+    return CompressedGeneration(tokens=torch.stack(out, 1), cache=cache)
