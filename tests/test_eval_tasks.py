@@ -3,6 +3,8 @@ held-out text perplexity), the bytes calibration, span pooling and the training 
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -186,6 +188,16 @@ def test_training_mix_marks_question_and_answer_and_refuses_eval_seeds(tmp_path)
         assert r["text"][r["split_char"] :].strip().isdigit()
     with pytest.raises(ValueError, match="seed=1000000 is out of range"):
         write_recall_mix(tmp_path / "x.jsonl", [RecallTask()], 1, seed=EVAL_SEED_FLOOR)
+
+
+def test_training_data_does_not_import_the_evaluation():
+    """data/ builds the records eval/ runs, never the reverse (no data -> eval import)."""
+    code = (
+        "import sys, unicache_train.data.recall_mix; "
+        "print(sorted(m for m in sys.modules if m.startswith('unicache_train.eval')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 @torch.no_grad()

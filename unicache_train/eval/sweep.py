@@ -328,8 +328,15 @@ class _Totals:
         self.stored_bytes += kv
         self.baseline_bytes += base
 
+    def add_attention(self, per_layer: Iterable[tuple[float, int]]) -> None:
+        """(KL sum, queries x heads) per layer (:func:`~unicache_train.eval.attn_kl.layer_kls`)."""
+        for kl, n in per_layer:
+            self.attn_kl += kl
+            self.attn_queries += n
+
     @property
     def ppl(self) -> float:
+        """Perplexity of the summed NLL (capped at ``exp(50)``)."""
         return math.exp(min(self.nll / self.tokens, 50.0))
 
     def quality(self) -> Quality:
@@ -439,9 +446,9 @@ def evaluate_compression(
             with AttentionInputs(model, kl_layers) as comp:
                 out = model(ids, modality_ids=mods, split=split, compressor=seg)
             tot.add_compressed(out, logits, labels, cont)
-            for kl, n in layer_kls(model, full.inputs, comp.inputs, seg.segments, split, qmask):
-                tot.attn_kl += kl
-                tot.attn_queries += n
+            tot.add_attention(
+                layer_kls(model, full.inputs, comp.inputs, seg.segments, split, qmask)
+            )
     if plain.tokens == 0:
         raise ValueError("evaluation saw no continuation targets: is the validation split empty?")
 
