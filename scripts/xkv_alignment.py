@@ -3,7 +3,7 @@
 For each model, the context keys (pre-RoPE) and values of every layer on validation batches of
 the bundled corpus, and between every pair of layers: the overlap of the dominant token-side
 singular subspaces (mean squared cosine of the principal angles; ``r / M`` for random subspaces)
-and linear CKA (:mod:`unicache_train.compress.xkv_alignment`). Writes a heat-map PNG (one row
+and linear CKA (:mod:`unicache_train.compress.xkv.alignment`). Writes a heat-map PNG (one row
 per model: overlap K, overlap V, CKA K, CKA V), the matrices as CSV and a summary table
 (adjacent vs distant layers).
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from unicache_train.compress.xkv_alignment import (
+from unicache_train.compress.xkv.alignment import (
     LayerAlignment,
     collect_context_kv,
     layer_alignment,

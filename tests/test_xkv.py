@@ -173,10 +173,10 @@ def test_bf16_model_factorises_in_fp32() -> None:
     low = comp.segments[0].lowrank
     assert low.layer_k.dtype == torch.float32 and low.token_k.dtype == torch.float32
     assert comp.segments[0].keys.dtype == torch.bfloat16 and torch.isfinite(out.logits).all()
-    # Full rank in fp32 reproduces the factorised (phase A, bf16) rows to fp32 round-off. (The
+    # Full rank in fp32 reproduces the factorised (recorded, bf16) rows to fp32 round-off. (The
     # in-loop forward's own bf16 K/V may differ from them by bf16 round-off: the two passes
     # run the context in differently shaped attention calls.)
-    group, i = comp.inner._last.groups[1]
+    group, i = comp.inputs[1].fit.groups[1]
     x = group.keys.x[i].float()  # [B, S, Hk*D], masked
     k_hat = flatten_heads(comp.segments[1].lowrank.reconstruct()[0])
     torch.testing.assert_close(k_hat * (x != 0).any(-1, keepdim=True), x, atol=1e-5, rtol=1e-4)
@@ -209,13 +209,17 @@ def test_inloop_forward_equals_prefill_compress_decode(case: str) -> None:
     got, cache = decode_teacher_forced(model, ids, split, comp)
     cont = continuation_mask(split, ids.shape[1])
     assert torch.isnan(got[~cont]).all() and not torch.isnan(got[cont]).any()
-    # Both paths fit bit-identical factors (phase A is the same prefill of the same tokens); the
+    # Both paths fit bit-identical factors (both record the same prefill of the same tokens); the
     # continuation then attends the same numbers in another key layout (SDPA blocking, padding
     # slots): fp32 round-off, ~4e-7 seen, as for UniCache in test_inloop.py.
     torch.testing.assert_close(got[cont], ref.logits[cont], atol=1e-5, rtol=1e-5)
     stat_bytes = sum(float(s["kv_bytes"]) for s in ref.compression)
     assert cache.kv_bytes(include_metadata=False) == int(stat_bytes)
-    assert not comp.prepared  # released after each forward
+    # Nothing of a forward stays on the compressor: outside its decoder's forward it refuses.
+    from unicache_train.compress.testing import make_input
+
+    with pytest.raises(RuntimeError, match="cross-layer"):
+        comp(make_input())
     if case == "unicache+xkv":
         keep = [float(s["keep_ratio"]) for s in ref.compression]
         assert max(keep) < 0.75
@@ -238,7 +242,7 @@ def test_greedy_generation_on_compressed_cache_matches_inloop_argmax() -> None:
 
 
 def test_inputs_embeds_and_positions_reach_the_prefill() -> None:
-    """The decoder prepares the compressor with every input it got (e.g. a vision-language
+    """The decoder records the context with every input it got (e.g. a vision-language
     model's embeddings, explicit positions)."""
     model = tiny()
     ids = torch.randint(0, V, (2, 32))
@@ -345,7 +349,7 @@ def test_activation_recompute_gives_the_same_gradients(mode: str) -> None:
         comp = XKVCompressor(cfg, token_compressor=tok)
         logits = model(ids, split=split, compressor=comp).logits
         w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(6))
-        (logits * w).sum().backward()  # after release(): the recompute serves again
+        (logits * w).sum().backward()  # the recompute replays the inputs (fit included)
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
@@ -374,13 +378,11 @@ def test_module_step_with_xkv_and_kl_reuses_the_prefill() -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (3, 41), generator=g)
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:].clone()}
-    calls = []
-    handle = module.model.register_forward_pre_hook(
-        lambda m, a, k: calls.append(k.get("split")), with_kwargs=True
-    )
+    calls = []  # passes through the decoder stack
+    handle = module.model.layers[0].register_forward_pre_hook(lambda m, a: calls.append(1))
     loss, logs, per_layer = module.compressed_loss(batch, step=0)
     handle.remove()
-    # Phase A (full length, doubles as the KL reference) + the in-loop forward; no third one.
+    # The recording pass (full length, doubles as the KL reference) + the in-loop pass; no third.
     assert len(calls) == 2
     loss.backward()
     assert torch.isfinite(loss) and float(logs["train/kl"]) > 0
@@ -388,8 +390,8 @@ def test_module_step_with_xkv_and_kl_reuses_the_prefill() -> None:
     assert all(
         torch.isfinite(p.grad).all() for p in module.model.parameters() if p.grad is not None
     )
-    comp = module.compressor
-    assert comp.step is None and not comp.keep_reference and comp.reference_logits is None
+    # Nothing of the step stays on the compressor (step and reference are forward arguments).
+    assert not {"step", "keep_reference", "reference_logits"} & set(vars(module.compressor))
 
 
 def test_kl_reference_from_the_prefill_is_the_plain_forward() -> None:
@@ -397,11 +399,10 @@ def test_kl_reference_from_the_prefill_is_the_plain_forward() -> None:
     ids = torch.randint(0, V, (2, 30))
     split = torch.tensor([20, 12])
     comp = XKVCompressor(XKVConfig(gradient="causal"))
-    comp.keep_reference = True
     with torch.no_grad():
-        model(ids, split=split, compressor=comp)
+        out = model(ids, split=split, compressor=comp, reference_logits=True)
         plain = model(ids).logits
-    torch.testing.assert_close(comp.reference_logits, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.reference_logits, plain, atol=1e-5, rtol=1e-5)
 
 
 def test_pooled_basis_is_refreshed_every_k_steps() -> None:
@@ -410,16 +411,13 @@ def test_pooled_basis_is_refreshed_every_k_steps() -> None:
     split = torch.tensor([20, 12])
     comp = XKVCompressor(XKVConfig(refresh_every=3))
     with torch.no_grad():
-        comp.step = 0
-        a = model(ids, split=split, compressor=comp).logits
+        a = model(ids, split=split, compressor=comp, step=0).logits
         bases = dict(comp._pooled)
-        comp.step = 2
-        model(ids[[1, 0]], split=split[[1, 0]], compressor=comp)
+        model(ids[[1, 0]], split=split[[1, 0]], compressor=comp, step=2)
         assert all(comp._pooled[k] is bases[k] for k in bases)  # reused
-        comp.step = 3
-        model(ids[[1, 0]], split=split[[1, 0]], compressor=comp)
+        model(ids[[1, 0]], split=split[[1, 0]], compressor=comp, step=3)
         assert all(comp._pooled[k] is not bases[k] for k in bases)  # refreshed
-        comp.step = None  # evaluation: each sample's own SVD again
+        # evaluation (no step): each sample's own SVD again
         b = model(ids, split=split, compressor=comp).logits
     assert not torch.allclose(a, b)
 
@@ -528,7 +526,7 @@ def test_evaluation_rows_at_equal_kv_bytes(tmp_path) -> None:
 
 # ------------------------------------------------------------------ alignment analysis
 def test_alignment_measures() -> None:
-    from unicache_train.compress.xkv_alignment import (
+    from unicache_train.compress.xkv.alignment import (
         linear_cka,
         principal_angles,
         subspace_overlap,
@@ -553,7 +551,7 @@ def test_alignment_measures() -> None:
 
 
 def test_alignment_of_a_model_and_identical_layers() -> None:
-    from unicache_train.compress.xkv_alignment import collect_context_kv, layer_alignment
+    from unicache_train.compress.xkv.alignment import collect_context_kv, layer_alignment
 
     model = tiny()
     ids = torch.randint(0, V, (2, 30))
@@ -574,7 +572,7 @@ def test_alignment_of_a_model_and_identical_layers() -> None:
 def test_alignment_of_an_imported_hf_model(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     from unicache_train.checkpoint.hf import import_hf
-    from unicache_train.compress.xkv_alignment import collect_context_kv, layer_alignment
+    from unicache_train.compress.xkv.alignment import collect_context_kv, layer_alignment
 
     cfg = transformers.LlamaConfig(
         vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,

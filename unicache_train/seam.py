@@ -23,6 +23,7 @@ dequantized (with a straight-through gradient) and low-rank ones reconstructed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -34,6 +35,8 @@ __all__ = [
     "KVCompressor",
     "IdentityCompressor",
     "RecordingCompressor",
+    "RecordedContext",
+    "CrossLayerCompressor",
     "identity_segment",
     "QuantizedKV",
     "LowRankKV",
@@ -206,6 +209,11 @@ class CompressionInput:
         modality_ids: [B, T] 0 text, 1 vision, 2 audio.
         context_mask: [B, T] bool, True for context tokens (``t < split``); only these may enter
             the segment.
+        latent: True for MLA's latent cache (one KV head ``[c_kv ‖ k_pe]``, values ``c_kv``:
+            the keys' first ``D_v`` features, which a deployed cache stores once).
+        fit: what a :class:`CrossLayerCompressor` fitted on the recording pass of this forward
+            (the decoder sets it on every layer's input of the compressed pass); None
+            otherwise.
     """
 
     layer_idx: int
@@ -216,6 +224,8 @@ class CompressionInput:
     positions: torch.Tensor
     modality_ids: torch.Tensor
     context_mask: torch.Tensor
+    latent: bool = False
+    fit: Any = None
 
 
 @dataclass
@@ -245,7 +255,7 @@ class KVSegment:
         identity: True only when ``keys``/``values`` are the layer's own K/V of all ``T`` input
             tokens untouched, ``valid`` is the context mask and every count is 1: attention over
             the segment then *is* causal attention over the sequence, and the seam takes the
-            causal kernel (set by :class:`IdentityCompressor` and xKV's prefill recorder; any
+            causal kernel (set by :class:`IdentityCompressor` and :class:`RecordingCompressor`; any
             step that changes the entries must leave it False).
     """
 
@@ -363,19 +373,66 @@ class RecordingCompressor:
         return seg
 
 
-def find_cross_layer(compressor: object) -> Any:
+@dataclass
+class RecordedContext:
+    """Every layer's context as the decoder's recording pass saw it: what a
+    :class:`CrossLayerCompressor` fits on.
+
+    Attributes:
+        inputs: layer -> the :class:`CompressionInput` the seam handed over (keys pre-RoPE when
+            the compressor is ``pre_rope``).
+        segments: layer -> the identity segment that went back; the seam rotated a pre-RoPE
+            compressor's keys in place, so these keys are post-RoPE.
+        prefill: ``S = max(split)``, the tokens recorded as context (the inputs may cover more:
+            the whole sequence when the recording pass doubles as the uncompressed forward).
+        rope: the model's rotary table, ``(positions [B, M], dtype) -> (cos, sin)`` each
+            ``[B, M, D_rope]``: rotates pre-RoPE keys at an entry's position
+            (``unicache_train.ops.rope.apply_rope``).
+    """
+
+    inputs: dict[int, CompressionInput]
+    segments: dict[int, KVSegment]
+    prefill: int
+    rope: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+
+
+@runtime_checkable
+class CrossLayerCompressor(Protocol):
+    """A compressor whose segment of a layer depends on other layers' context K/V (xKV).
+
+    The decoder drives both passes (:meth:`unicache_train.model.Decoder.forward`): when
+    ``records_context``, it runs the stack over the context with a
+    :class:`RecordingCompressor` (with gradients when ``record_with_grad``), calls
+    :meth:`fit` on what it recorded, then runs the compressed pass with the fit in every
+    layer's :attr:`CompressionInput.fit`. Otherwise (rate 0) the compressor serves each layer
+    without a fit.
+    """
+
+    cross_layer: bool
+    pre_rope: bool
+
+    @property
+    def records_context(self) -> bool: ...
+
+    @property
+    def record_with_grad(self) -> bool: ...
+
+    def fit(self, context: RecordedContext, step: int | None = None) -> Any: ...
+
+    def __call__(self, inp: CompressionInput) -> KVSegment: ...
+
+
+def find_cross_layer(compressor: object) -> CrossLayerCompressor | None:
     """The cross-layer compressor (xKV) behind ``compressor``, or None.
 
-    A cross-layer compressor's segment of a layer depends on other layers' context K/V: it
-    declares ``cross_layer = True`` and has ``prepare(model, ...)``, ``release()`` and
-    ``prepared``; the decoder prefills the context through it before the in-loop forward (see
-    :meth:`unicache_train.model.Decoder.forward`). Wrappers (segment captures) expose what they
-    wrap as ``inner`` and are looked through.
+    A cross-layer compressor declares ``cross_layer = True`` (see
+    :class:`CrossLayerCompressor`). Wrappers (segment captures such as
+    :class:`RecordingCompressor`) expose what they wrap as ``inner`` and are looked through.
     """
     seen = 0
     while compressor is not None and seen < 16:
         if getattr(compressor, "cross_layer", False):
-            return compressor
+            return compressor  # type: ignore[return-value]
         compressor = getattr(compressor, "inner", None)
         seen += 1
     return None

@@ -16,6 +16,7 @@ back into the streams (see :mod:`unicache_train.model.mhc`). Embeddings enter as
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,17 +31,27 @@ from unicache_train.model.kv_cache import KVCache, new_kv_cache
 from unicache_train.model.mlp import SwiGLU
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import RotaryEmbedding
-from unicache_train.seam import KVCompressor, find_cross_layer
+from unicache_train.seam import (
+    CompressionInput,
+    CrossLayerCompressor,
+    KVCompressor,
+    KVSegment,
+    RecordedContext,
+    RecordingCompressor,
+    find_cross_layer,
+)
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
 class DecoderOutput:
-    """logits: [B, T, V]; compression: one stats dict per layer when a compressor ran."""
+    """logits: [B, T, V]; compression: one stats dict per layer when a compressor ran;
+    reference_logits: [B, T, V] the uncompressed forward's logits (no gradient) when asked."""
 
     logits: torch.Tensor
     compression: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    reference_logits: torch.Tensor | None = None
 
 
 def build_connections(config: ModelConfig) -> tuple[nn.Module | None, nn.Module | None]:
@@ -133,6 +144,8 @@ class Decoder(nn.Module):
         split: torch.Tensor | None = None,
         compressor: KVCompressor | None = None,
         logits_at: torch.Tensor | None = None,
+        reference_logits: bool = False,
+        step: int | None = None,
     ) -> DecoderOutput:
         """Run the decoder.
 
@@ -145,13 +158,20 @@ class Decoder(nn.Module):
             split: [B] first continuation token of each sample; with ``compressor``, the context
                 ``[0, split)`` is prefilled, compressed at every layer, and the continuation
                 attends to the compressed cache (see :mod:`unicache_train.model.attention`).
-            compressor: the KV compressor called at the attention seam. A cross-layer one
-                (xKV, ``cross_layer = True``) is prepared first: the context is prefilled
-                through every layer and its factors fitted, then this forward runs with it.
+            compressor: the KV compressor called at the attention seam. For a cross-layer one
+                (xKV, :class:`~unicache_train.seam.CrossLayerCompressor`) this forward runs two
+                passes: it records every layer's context, asks the compressor to fit it, then
+                runs the compressed pass with the fit (:meth:`_fit_cross_layer`).
             logits_at: [B, K] long positions whose logits are wanted (default: every position).
                 The LM head is applied to those positions only: a prefill that needs the last
                 prompt token's logits skips the ``T x V`` head product (a third of a 135M
                 model's FLOPs at its 49k vocabulary).
+            reference_logits: also return the uncompressed forward's logits (no gradient), e.g.
+                the KL term's reference; needs ``compressor``. They come from the recording
+                pass of a cross-layer compressor when it records without gradient, else from
+                one more forward without compression.
+            step: the optimizer step of a training forward, passed to a cross-layer
+                compressor's fit (its basis refresh schedule); None in evaluation and inference.
 
         Returns:
             :class:`DecoderOutput` with logits [B, T, V] ([B, K, V] with ``logits_at``).
@@ -162,24 +182,14 @@ class Decoder(nn.Module):
             raise ValueError("split and compressor go together: pass both or neither")
         if split is not None and cache is not None:
             raise ValueError("the in-loop compression forward does not use a decoding cache")
+        if reference_logits and compressor is None:
+            raise ValueError(
+                "reference_logits=True needs split and compressor: the reference is the "
+                "uncompressed forward beside the compressed one"
+            )
         if split is not None:
             ref = input_ids if inputs_embeds is None else inputs_embeds
             check_split(split, ref.shape[0], ref.shape[1])
-        cross = find_cross_layer(compressor) if compressor is not None else None
-        if cross is not None and not cross.prepared:
-            # NOTE: a cross-layer compressor (xKV) needs every layer's context K/V before the
-            # seam asks it for any layer: it first prefills the context through the whole stack
-            # (a nested call of this forward with a recording compressor) and fits its factors;
-            # then this forward runs with it serving each layer. Context rows never depend on
-            # the compressed cache, so both passes compute the same context.
-            cross.prepare(self, input_ids, split=split, inputs_embeds=inputs_embeds,
-                          modality_ids=modality_ids, positions=positions)
-            try:
-                return self.forward(input_ids, inputs_embeds=inputs_embeds,
-                                    modality_ids=modality_ids, positions=positions, split=split,
-                                    compressor=compressor, logits_at=logits_at)
-            finally:
-                cross.release()
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, C]
         B, T = x.shape[:2]
         if positions is None:
@@ -187,14 +197,91 @@ class Decoder(nn.Module):
             positions = torch.arange(start, start + T, device=x.device).expand(B, T)
         if modality_ids is None:
             modality_ids = torch.zeros(B, T, dtype=torch.long, device=x.device)
+        reference = None
+        cross = find_cross_layer(compressor)
+        if cross is not None and cross.records_context:
+            assert split is not None and compressor is not None
+            compressor, reference = self._fit_cross_layer(
+                cross, compressor, x, positions, modality_ids, split, step,
+                reference_logits, logits_at,
+            )  # fmt: skip
+        out = self._stack(x, positions, modality_ids, cache, split, compressor, logits_at)
+        if reference_logits:
+            if reference is None:
+                # NOTE: the same weights without gradient, not a frozen copy: the target moves
+                # with the model, as self-distillation to the uncompressed forward intends.
+                # no_grad also keeps the per-layer gains of SignalGainMonitor on the compressed
+                # forward: its probe ignores forwards that do not record autograd.
+                with torch.no_grad():
+                    reference = self._stack(x, positions, modality_ids, logits_at=logits_at).logits
+            out.reference_logits = reference
+        return out
+
+    def _fit_cross_layer(
+        self,
+        cross: CrossLayerCompressor,
+        compressor: KVCompressor,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        modality_ids: torch.Tensor,
+        split: torch.Tensor,
+        step: int | None,
+        want_reference: bool,
+        logits_at: torch.Tensor | None,
+    ) -> tuple[KVCompressor, torch.Tensor | None]:
+        """The recording pass and the fit of a cross-layer compressor (xKV).
+
+        ::
+
+            recording  stack(x[:, :S], split, RecordingCompressor) ─► every layer's context K/V
+            fit        cross.fit(RecordedContext, step)            ─► the fit (no model access)
+            compressed stack(x, split, compressor), each layer's CompressionInput.fit = the fit
+
+        Context rows never depend on the compressed cache, so the recording pass computes the
+        same context as the compressed one (and as inference's prefill). When it records without
+        gradient and the uncompressed logits are wanted, it runs over the whole sequence: its
+        logits are the plain forward's, the KL reference for free.
+
+        Returns:
+            (the compressor of the compressed pass, the reference logits or None).
+        """
+        T = x.shape[1]
+        S = int(split.max())
+        full = want_reference and not cross.record_with_grad
+        L = T if full else S
+        rec = RecordingCompressor(pre_rope=cross.pre_rope)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and cross.record_with_grad):
+            out = self._stack(
+                x[:, :L], positions[:, :L], modality_ids[:, :L], None, split, rec,
+                logits_at if full else None, head=full,
+            )  # fmt: skip
+        fit = cross.fit(RecordedContext(rec.inputs, rec.segments, S, self.rotary), step=step)
+        return _WithFit(compressor, fit), (out.logits if full else None)
+
+    def _stack(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        modality_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        split: torch.Tensor | None = None,
+        compressor: KVCompressor | None = None,
+        logits_at: torch.Tensor | None = None,
+        head: bool = True,
+    ) -> DecoderOutput:
+        """The blocks, the final norm and the LM head on embeddings x [B, T, C] (``head=False``:
+        the blocks only, for a pass whose logits nobody reads; the logits are then empty)."""
+        B, T = x.shape[:2]
         rope = self.rotary(positions, x.dtype)
         stats: list[dict[str, torch.Tensor]] = []
         kwargs = dict(rope=rope, positions=positions, modality_ids=modality_ids, cache=cache,
-                      split=split, compressor=compressor, stats=stats)
+                      split=split, compressor=compressor, stats=stats)  # fmt: skip
         if self.hc_head is not None:
             x = x.unsqueeze(2).expand(B, T, self.num_streams, x.shape[-1])  # [B, T, n, C]
         for layer in self.layers:
             x = layer(x, **kwargs)
+        if not head:
+            return DecoderOutput(logits=x.new_empty(0), compression=stats)
         if self.hc_head is not None:
             x = self.hc_head(x)  # [B, T, n, C] -> [B, T, C]
         if logits_at is not None:
@@ -291,6 +378,19 @@ def check_split(split: torch.Tensor, B: int, T: int) -> None:
         raise ValueError(
             f"split={split.tolist()} is out of range; allowed [0, T] = [0, {T}] per sample"
         )
+
+
+class _WithFit:
+    """The compressor of a cross-layer compressor's compressed pass: every layer's input
+    carries the fit of this forward (:attr:`CompressionInput.fit`)."""
+
+    def __init__(self, compressor: KVCompressor, fit: object) -> None:
+        self.compressor = compressor
+        self.fit = fit
+        self.pre_rope = bool(getattr(compressor, "pre_rope", False))
+
+    def __call__(self, inp: CompressionInput) -> KVSegment:
+        return self.compressor(dataclasses.replace(inp, fit=self.fit))
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,

@@ -307,6 +307,7 @@ class MLAttention(nn.Module):
             positions=positions,
             modality_ids=modality_ids,
             context_mask=context_mask,
+            latent=True,
         )
         segment = compressor(inp)
         if pre_rope:

@@ -138,6 +138,8 @@ class VisionLanguageModel(Decoder):
         split: torch.Tensor | None = None,
         compressor: KVCompressor | None = None,
         logits_at: torch.Tensor | None = None,
+        reference_logits: bool = False,
+        step: int | None = None,
     ) -> DecoderOutput:
         """As :meth:`Decoder.forward`, plus images.
 
@@ -169,4 +171,6 @@ class VisionLanguageModel(Decoder):
             split=split,
             compressor=compressor,
             logits_at=logits_at,
+            reference_logits=reference_logits,
+            step=step,
         )

@@ -12,6 +12,7 @@ One training step with compression (docs/architecture.md#in-loop-semantics)::
           logits [B, T, V] ─► LM loss on targets t >= s - 1 (or all targets)
                            └► + kl_weight * KL(uncompressed || compressed) on the same targets,
                               the uncompressed logits from the same model under no_grad
+                              (the same forward with reference_logits=True returns them)
 
 The first continuation token is predicted at position ``s - 1``: a context query, which attends
 to the full context (the prefill of inference predicts it the same way). The loss on "the

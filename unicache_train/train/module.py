@@ -14,7 +14,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from unicache_train.config import RunConfig
 from unicache_train.model import Decoder
 from unicache_train.model.loss import causal_lm_loss  # re-exported: recipes/scripts import it here
-from unicache_train.seam import find_cross_layer
 from unicache_train.train.compression import (
     IGNORE_INDEX,
     build_compressor,
@@ -122,32 +121,20 @@ class LMModule(L.LightningModule):
         split = sample_splits(
             labels, batch.get("split"), mode=cc.split, min_context=cc.min_context, generator=gen
         )  # [B]
-        # A cross-layer compressor (xKV) learns the step (basis refresh) and may hand back its
-        # prefill's uncompressed logits (the KL reference) instead of a second forward.
-        cross = find_cross_layer(self.compressor)
-        if cross is not None:
-            cross.step, cross.keep_reference = step, cc.kl_weight > 0
-        try:
-            out = self.model_forward(batch, split=split, compressor=self.compressor)
-        finally:
-            if cross is not None:
-                cross.step, cross.keep_reference = None, False
+        # The decoder returns the uncompressed logits for the KL term (from a cross-layer
+        # compressor's recording pass when that is free, else one forward without gradient);
+        # the step reaches a cross-layer compressor's fit (its basis refresh schedule).
+        out = self.model_forward(
+            batch, split=split, compressor=self.compressor, step=step,
+            reference_logits=cc.kl_weight > 0,
+        )  # fmt: skip
         cont = continuation_mask(split, T)  # [B, T]
         lm = masked_lm_loss(out.logits, labels, cont if cc.loss_on == "continuation" else None)
         logs = {"train/lm_loss": lm.detach(), "compress/rate_scale": torch.tensor(scale)}
         loss = lm
         if cc.kl_weight > 0:
-            ref = None
-            if cross is not None:
-                ref, cross.reference_logits = cross.reference_logits, None
-            # NOTE: the same weights without gradient, not a frozen copy: the target moves with
-            # the model, as self-distillation to the uncompressed forward intends. no_grad also
-            # keeps the per-layer gains of SignalGainMonitor on the training forward above: its
-            # probe ignores forwards that do not record autograd.
-            if ref is None:
-                with torch.no_grad():
-                    ref = self.model_forward(batch).logits
-            kl = compression_kl(ref, out.logits, cont & (labels != IGNORE_INDEX), cc.kl_temperature)
+            targets = cont & (labels != IGNORE_INDEX)
+            kl = compression_kl(out.reference_logits, out.logits, targets, cc.kl_temperature)
             loss = loss + cc.kl_weight * kl
             logs["train/kl"] = kl.detach()
         logs.update(layer_mean_stats(out.compression))

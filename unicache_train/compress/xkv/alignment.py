@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unicache_train.compress.xkv import flatten_heads
+from unicache_train.compress.xkv.factor import flatten_heads
 from unicache_train.seam import RecordingCompressor
 
 __all__ = [
