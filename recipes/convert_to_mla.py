@@ -24,12 +24,8 @@ Writes ``<convert.out_dir>/results.json`` (everything, with the per-layer conver
 
 from __future__ import annotations
 
-import csv
 import itertools
 import json
-import os
-import platform
-import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -39,18 +35,17 @@ from typing import Any
 
 import torch
 
-from unicache_train.config import (
-    ConfigError,
-    RunConfig,
-    apply_overrides,
-    load_yaml,
-    pop_config_path,
-)
+from unicache_train.config import ConfigError, RunConfig
 from unicache_train.eval.perplexity import evaluate_perplexity
 from unicache_train.model import Decoder
 from unicache_train.model.convert_mla import convert_to_mla_with_report, kv_elements_per_token
+from unicache_train.recipe import (
+    build_section,
+    command_line,
+    parse_recipe_args,
+    results_header,
+)
 from unicache_train.train.module import causal_lm_loss, warmup_cosine
-from unicache_train.validation import build_config as _build
 from unicache_train.validation import check_choice as _choice
 from unicache_train.validation import check_int as _int
 from unicache_train.validation import check_range as _range
@@ -89,19 +84,24 @@ class ConvertConfig:
 
 @dataclass
 class RecipeConfig:
+    """The recipe's two sections: ``run`` (the source model and data) and ``convert``."""
+
     run: RunConfig = field(default_factory=RunConfig)
     convert: ConvertConfig = field(default_factory=ConvertConfig)
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] | None = None) -> RecipeConfig:
-        data = load_yaml(Path(path).read_text()) or {}
-        apply_overrides(data, overrides or [])
-        unknown = sorted(set(data) - {"run", "convert"})
-        if unknown:
-            raise ConfigError(f"{path}: unknown section(s) {unknown}; known: ['convert', 'run']")
+        """``--config PATH`` and ``section.field=value`` overrides -> the config."""
+        return cls.from_args(["--config", str(path), *(overrides or [])])
+
+    @classmethod
+    def from_args(cls, argv: list[str]) -> RecipeConfig:
+        """The command line (:func:`unicache_train.recipe.parse_recipe_args`) -> the config."""
+        sections = {"run": RunConfig, "convert": ConvertConfig}
+        data = parse_recipe_args(argv, Path(__file__).with_suffix(".yaml"), sections, doc=__doc__)
         return cls(
             run=RunConfig.from_dict(data.get("run") or {}),
-            convert=_build(ConvertConfig, data.get("convert") or {}, "convert"),
+            convert=build_section(ConvertConfig, data, "convert"),
         )
 
 
@@ -265,15 +265,13 @@ def csv_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def write_csv(path: Path, result: dict[str, Any], command: str) -> None:
-    """:func:`csv_rows` as CSV, led by two comment lines: the command, then machine, torch
-    version and wall time (the format of the other results under ``scripts/results/``)."""
+    """:func:`csv_rows` as CSV, led by the command, machine, torch version and wall time
+    (:func:`unicache_train.recipe.results_header`, as the other results under
+    ``scripts/results/``)."""
+    from unicache_train.eval.report import write_csv as write
+
     rows = csv_rows(result)
-    with path.open("w", newline="") as fh:
-        fh.write(f"# {command}\n# {platform.processor() or platform.machine()}, torch "
-                 f"{torch.__version__}, {result['wall_seconds']:.0f}s\n")  # fmt: skip
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write(path, rows, list(rows[0]), header=results_header(command, result["wall_seconds"]))
 
 
 def _print_table(result: dict[str, Any]) -> None:
@@ -296,11 +294,7 @@ def _print_table(result: dict[str, Any]) -> None:
 
 def cli(argv: list[str]) -> None:
     """``[--config FILE.yaml] [section.field=value ...]`` -> the run."""
-    path, args = pop_config_path(argv, Path(__file__).with_suffix(".yaml"))
-    omp = os.environ.get("OMP_NUM_THREADS")
-    command = ((f"OMP_NUM_THREADS={omp} " if omp else "") + "python recipes/convert_to_mla.py " +
-               shlex.join(argv)).rstrip()  # fmt: skip
-    main(RecipeConfig.load(path, args), command=command)
+    main(RecipeConfig.from_args(argv), command=command_line("convert_to_mla", argv))
 
 
 if __name__ == "__main__":

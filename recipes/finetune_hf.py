@@ -16,41 +16,57 @@ needs no coordination beyond an atomic file rename.
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from unicache_train.checkpoint.hf import export_hf
-from unicache_train.config import ConfigError, RunConfig, apply_overrides, load_yaml
+from unicache_train.config import ConfigError, RunConfig
+from unicache_train.recipe import build_section, parse_recipe_args, run_sections
 from unicache_train.train.from_hf import prepare_hf_run
 
 DEFAULT_YAML = Path(__file__).with_suffix(".yaml")
-HF_DEFAULTS: dict[str, Any] = {
-    "checkpoint_dir": None, "mhc": False, "hc_mult": 4, "hc_preset": "deepseek_v4", "seed": 0,
-    "export_dir": None, "export_family": None, "export_dtype": "bf16",
+
+
+@dataclass
+class HFOptions:
+    """The ``hf`` section: the checkpoint and what to do with it.
+
+    Attributes:
+        checkpoint_dir: the local HF checkpoint directory (``--checkpoint_dir DIR``).
+        mhc: swap the residual for mHC (:func:`~unicache_train.model.convert.convert_to_mhc`,
+            identity init).
+        hc_mult: residual streams when ``mhc`` is true.
+        hc_preset: ``deepseek_v4`` (exportable to HF) or ``paper``.
+        seed: seeds the conversion's symmetry breakers (the same on every rank).
+        export_dir: write the fine-tuned model here (HF format) at the end; None: no export.
+        export_family: HF family of the export (default: the source's).
+        export_dtype: ``bf16`` or ``fp32``.
+    """
+
+    checkpoint_dir: str | None = None
+    mhc: bool = False
+    hc_mult: int = 4
+    hc_preset: str = "deepseek_v4"
+    seed: int = 0
+    export_dir: str | None = None
+    export_family: str | None = None
+    export_dtype: str = "bf16"
+
+
+SECTIONS = {
+    "hf": HFOptions,
+    "model": "ignored: the architecture is the checkpoint's",
+    **run_sections(exclude=("model",)),
 }
 
 
 def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """argv -> (the ``hf`` section, the rest of the run config as a dict)."""
-    args = list(argv)
-    path = DEFAULT_YAML
-    for flag in ("--config", "--checkpoint_dir"):
-        if flag in args:
-            i = args.index(flag)
-            if i + 1 >= len(args):
-                raise ConfigError(f"{flag} needs a value")
-            value = args[i + 1]
-            del args[i : i + 2]
-            if flag == "--config":
-                path = Path(value)
-            else:
-                args.append(f"hf.checkpoint_dir={value}")
-    data = load_yaml(Path(path).read_text()) or {}
-    apply_overrides(data, args)
-    hf = {**HF_DEFAULTS, **(data.pop("hf", None) or {})}
-    unknown = sorted(set(hf) - set(HF_DEFAULTS))
-    if unknown:
-        raise ConfigError(f"unknown field(s) {unknown} in hf; known: {sorted(HF_DEFAULTS)}")
+    data = parse_recipe_args(
+        argv, DEFAULT_YAML, SECTIONS, doc=__doc__, flags={"--checkpoint_dir": "hf.checkpoint_dir"}
+    )
+    hf = asdict(build_section(HFOptions, data, "hf"))
     if not hf["checkpoint_dir"]:
         raise ConfigError("hf.checkpoint_dir is not set: pass --checkpoint_dir DIR")
     data.pop("model", None)  # the architecture comes from the checkpoint
@@ -69,16 +85,14 @@ def main(argv: list[str] | None = None):
     from unicache_train.train.run import fit
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in args):
-        print(__doc__)
-        raise SystemExit(0)
     hf, data = parse(args)
     config = build(hf, data)
     trainer = fit(config)
     if hf["export_dir"] and trainer.is_global_zero:
         family = hf["export_family"] or _source_family(Path(hf["checkpoint_dir"]))
         model = trainer.lightning_module.model.float().eval()
-        export_hf(model, hf["export_dir"], family=family, dtype=hf["export_dtype"])
+        export_hf(model, hf["export_dir"], family=family, dtype=hf["export_dtype"],
+                  tokenizer_from=config.data.tokenizer)  # fmt: skip
     return trainer
 
 

@@ -8,10 +8,11 @@
 
 On a shared, loaded CPU set ``OMP_NUM_THREADS=1``.
 
-Reuses the machinery of ``finetune_compress.py`` (argument parsing, base pretraining, init from
-the base checkpoint, table printing). Stages:
+Shares the fine-tune-from-a-base stages with ``finetune_compress.py`` through the library
+(:mod:`unicache_train.recipe`: arguments, base pretraining, evaluation;
+:class:`~unicache_train.train.run.InitFromCheckpoint`). Stages:
 
-1. base: ``--checkpoint`` / ``base_checkpoint=``, else pretrain the tiny model
+1. base: ``--checkpoint``, else pretrain the tiny model
    (``recipes/pretrain_tiny.yaml``, under ``<out_dir>/pretrain``, resumable);
 2. evaluate the base uncompressed, under xKV at each of ``recipe.eval_ratios`` (rank chosen so
    the stored factors take ``1 / ratio`` of the 16-bit cache) and under UniCache at the same
@@ -25,13 +26,13 @@ the base checkpoint, table printing). Stages:
    ``<out_dir>/eval``).
 
 Arguments: as ``finetune_compress.py`` (``--config``, ``--checkpoint``, ``recipe.FIELD=VALUE``,
-``pretrain.SECTION.FIELD=VALUE``, ``SECTION.FIELD=VALUE``) plus the recipe options
-``recipe.train_ratios``, ``recipe.eval_ratios``, ``recipe.finetune_unicache``.
+``pretrain.SECTION.FIELD=VALUE``, ``SECTION.FIELD=VALUE``); the ``recipe`` section is
+:class:`XKVOptions` (``finetune_compress``'s options plus ``recipe.eval_ratios``,
+``recipe.train_ratios``, ``recipe.finetune_unicache``, ``recipe.control``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
@@ -39,28 +40,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unicache_train.config import ConfigError, RunConfig, load_yaml
+from unicache_train.config import ConfigError, RunConfig
+from unicache_train.recipe import (
+    FinetuneOptions,
+    command_line,
+    evaluate_stage,
+    parse_finetune_args,
+    pretrain_base,
+    write_results_csv,
+)
 
 HERE = Path(__file__).resolve().parent
 
 
-def _finetune_compress():
-    """The sibling recipe as a module (recipes are scripts, not a package)."""
-    path = HERE / "finetune_compress.py"
-    spec = importlib.util.spec_from_file_location("finetune_compress", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, mod)  # NOTE: dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-fc = _finetune_compress()
-
-
 @dataclass
-class XKVOptions:
-    """This recipe's own knobs (``recipe.FIELD=VALUE``, besides finetune_compress's).
+class XKVOptions(FinetuneOptions):
+    """The ``recipe`` section: :class:`~unicache_train.recipe.FinetuneOptions`'s fields and
 
     Attributes:
         eval_ratios: KV-bytes reductions at which the base is evaluated (xKV and UniCache).
@@ -78,32 +73,23 @@ class XKVOptions:
     control: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("finetune_unicache", "control"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"recipe.{name}={getattr(self, name)!r}: expected a bool (true or false)"
                 )
+        for name in ("eval_ratios", "train_ratios"):
+            values = getattr(self, name)
+            if not isinstance(values, list) or not all(
+                isinstance(v, (int, float)) and 1 <= v <= 64 for v in values
+            ):
+                raise ConfigError(f"recipe.{name}={values!r}: expected a list of ratios in [1, 64]")
 
 
-def split_args(argv: list[str]) -> tuple[XKVOptions, list[str]]:
-    """Take this recipe's ``recipe.*`` options out of ``argv``; the rest is finetune_compress's."""
-    mine = set(XKVOptions.__dataclass_fields__)
-    opts: dict[str, Any] = {}
-    rest = []
-    for a in argv:
-        key, sep, raw = a.partition("=")
-        if sep and key.startswith("recipe.") and key.removeprefix("recipe.") in mine:
-            opts[key.removeprefix("recipe.")] = load_yaml(raw)
-        else:
-            rest.append(a)
-    x = XKVOptions(**opts)
-    for name in ("eval_ratios", "train_ratios"):
-        values = getattr(x, name)
-        if not isinstance(values, list) or not all(
-            isinstance(v, (int, float)) and 1 <= v <= 64 for v in values
-        ):
-            raise ConfigError(f"recipe.{name}={values!r}: expected a list of ratios in [1, 64]")
-    return x, rest
+def parse_args(argv: list[str]) -> tuple[XKVOptions, RunConfig]:
+    """The arguments (see the module doc) -> the recipe options and the fine-tune config."""
+    return parse_finetune_args(argv, HERE / "finetune_xkv.yaml", __doc__, XKVOptions)
 
 
 def sub_config(ft: RunConfig, name: str, **compress: Any) -> RunConfig:
@@ -120,29 +106,10 @@ def sub_config(ft: RunConfig, name: str, **compress: Any) -> RunConfig:
 
 
 def evaluate(model, config: RunConfig, tokenizer, loader, options, name: str, **kw):
-    """evaluate_compression of one model; CSV/PNG under ``<out_dir>/eval``."""
-    from unicache_train.eval.report import format_table, write_outputs
-    from unicache_train.eval.sweep import CompressionEvalConfig, evaluate_compression
+    """:func:`~unicache_train.recipe.evaluate_stage`, its table printed."""
+    from unicache_train.eval.report import format_table
 
-    per_row = ("rank_mode", "ratio")
-    xkv = {k: v for k, v in config.compress.xkv.to_dict().items() if k not in per_row}
-    eval_cfg = CompressionEvalConfig(
-        quantize="config",
-        num_recall=options.num_recall,
-        recall_seed=options.recall_seed,
-        limit_batches=options.limit_batches,
-        batch_size=config.data.batch_size,
-        split_seed=config.compress.seed,
-        min_context=config.compress.min_context,
-        out_dir=str(Path(config.train.out_dir) / "eval"),
-        name=name,
-        xkv=xkv,
-        **kw,
-    )
-    rows = evaluate_compression(
-        model, tokenizer, config.data, config.compress.unicache, eval_cfg, loader=loader
-    )
-    write_outputs(rows, eval_cfg.out_dir, name)
+    rows = evaluate_stage(model, config, tokenizer, loader, options, name, **kw)
     print(f"\n[{name}]\n" + format_table(rows))
     return rows
 
@@ -190,17 +157,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     """Run the recipe; returns the table rows (None on ranks other than 0)."""
     from unicache_train.checkpoint import load_checkpoint
     from unicache_train.data.datamodule import LMDataModule
-    from unicache_train.train.run import fit
+    from unicache_train.eval.report import text_table
+    from unicache_train.train.run import InitFromCheckpoint, fit
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in args):
-        print(__doc__)
-        return None
-    xopts, rest = split_args(args)
-    options, ft = fc.parse_args(["--config", str(HERE / "finetune_xkv.yaml"), *rest])
+    options, ft = parse_args(args)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    base_ckpt = Path(options.base_checkpoint or fc.pretrain_base(options, ft))
+    base_ckpt = Path(options.base_checkpoint or pretrain_base(options, ft))
     times["pretrain"] = time.perf_counter() - t0
     if not base_ckpt.is_file():
         raise FileNotFoundError(f"base checkpoint not found: {base_ckpt}")
@@ -213,13 +177,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
 
     t = time.perf_counter()
     base_rows = evaluate(base_model, ft, dm.tokenizer, loader, options, "base", rates=[],
-                         xkv_ratios=xopts.eval_ratios, match_unicache=True)  # fmt: skip
+                         xkv_ratios=options.eval_ratios, match_unicache=True)  # fmt: skip
     times["eval_base"] = time.perf_counter() - t
     matched = {r["kv_target"]: r["rate"] for r in base_rows if r["method"] == "unicache"}
     tuned: dict[tuple[float, str], list[dict[str, Any]]] = {}
-    for ratio in xopts.train_ratios:
+    for ratio in options.train_ratios:
         runs = [("xkv", sub_config(ft, f"xkv_{ratio:g}x", method="xkv", xkv={"ratio": ratio}))]
-        if xopts.finetune_unicache:
+        if options.finetune_unicache:
             if ratio not in matched:
                 raise ConfigError(f"recipe.train_ratios: {ratio} is not in recipe.eval_ratios")
             rate = matched[ratio]
@@ -228,7 +192,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
             runs.append(("unicache", cfg))
         for method, cfg in runs:
             t = time.perf_counter()
-            trainer = fit(cfg, callbacks=[fc.InitFromCheckpoint(base_ckpt)])
+            trainer = fit(cfg, callbacks=[InitFromCheckpoint(base_ckpt)])
             times[f"finetune_{method}_{ratio:g}x"] = time.perf_counter() - t
             if not (trainer.is_global_zero and rank0):
                 continue
@@ -243,23 +207,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
                 rows[1]["method"] = "unicache"
             tuned[(ratio, method)] = rows
     control = None
-    if xopts.control:
+    if options.control:
         cfg = sub_config(ft, "control", method="none")
         t = time.perf_counter()
-        trainer = fit(cfg, callbacks=[fc.InitFromCheckpoint(base_ckpt)])
+        trainer = fit(cfg, callbacks=[InitFromCheckpoint(base_ckpt)])
         times["finetune_control"] = time.perf_counter() - t
         if trainer.is_global_zero and rank0:
             model, _ = load_checkpoint(Path(cfg.train.out_dir) / "checkpoints" / "last.ckpt")
             # The base's settings (UniCache at the rates calibrated on the base), in the base's
             # row order.
             xrows = evaluate(model, cfg, dm.tokenizer, loader, options, "control_xkv", rates=[],
-                             xkv_ratios=xopts.eval_ratios, match_unicache=False)  # fmt: skip
+                             xkv_ratios=options.eval_ratios, match_unicache=False)  # fmt: skip
             by_ratio = evaluate(model, cfg, dm.tokenizer, loader, options, "control_unicache",
-                                rates=[matched[r] for r in xopts.eval_ratios])  # fmt: skip
+                                rates=[matched[r] for r in options.eval_ratios])  # fmt: skip
             control = [xrows[0]]
             for r in base_rows[1:]:
                 src = xrows if r["method"] == "xkv" else by_ratio
-                idx = xopts.eval_ratios.index(r["kv_target"]) + 1
+                idx = options.eval_ratios.index(r["kv_target"]) + 1
                 control.append(src[idx])
     if not rank0:
         return None
@@ -268,11 +232,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     xc = ft.compress.xkv
     print(f"\nxKV (group {xc.group_size}, {xc.gradient} gradient) vs UniCache "
           f"({ft.compress.preset}, int8) at the same KV bytes; base {base_ckpt}")  # fmt: skip
-    fc.print_table(rows)
+    print(text_table(rows))
     print("increase: perplexity on continuations vs the base uncompressed")
     print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()))
     out = Path(ft.train.out_dir) / "finetune_xkv.csv"
-    fc.write_results_csv(out, rows, fc.command_line("finetune_xkv", args), times["total"])
+    write_results_csv(out, rows, command_line("finetune_xkv", args), times["total"])
     print(f"wrote {out}")
     return rows
 

@@ -7,7 +7,7 @@
 from pathlib import Path
 
 from unicache_train.cli import report_user_errors
-from unicache_train.train.run import run_recipe
+from unicache_train.recipe import run_recipe
 
 if __name__ == "__main__":
-    report_user_errors(lambda: run_recipe(Path(__file__).with_suffix(".yaml")))
+    report_user_errors(lambda: run_recipe(Path(__file__).with_suffix(".yaml"), doc=__doc__))

@@ -19,7 +19,7 @@ Stages (base config ``vlm_tiny.yaml``; fine-tune config ``vlm_tiny_finetune.yaml
    refer), split at the answer, loss on the answer; resumable (``<train.out_dir>``, default
    ``runs/vlm_tiny/base``).
 2. **evaluate the base** per task type: greedy answers decoded on the real compressed cache
-   (:mod:`unicache_train.train.evaluate_vlm`) uncompressed and for each variant x rate: (a)
+   (:mod:`unicache_train.eval.vlm`) uncompressed and for each variant x rate: (a)
    ``text_style`` (global normalization, uniform budgets, no protection), (a')
    ``text_style_pooled`` (global normalization, one pooled top-k budget), (b) ``unicache``,
    (c) ``unicache_no_protect``, and the ablation ``unicache_global_norm``.
@@ -36,14 +36,15 @@ Stages (base config ``vlm_tiny.yaml``; fine-tune config ``vlm_tiny_finetune.yaml
    ``vlm_eval.csv`` / ``.md`` / ``.png`` (accuracy per task vs rate), ``vlm_rate_grid.csv`` /
    ``.png``, ``claims.md`` (the source's claims checked against these numbers).
 
-Arguments: ``--config BASE.yaml``, ``--checkpoint PATH``, ``recipe.FIELD=VALUE``
-(:class:`RecipeOptions`), ``finetune.SECTION.FIELD=VALUE`` and ``SECTION.FIELD=VALUE`` (base).
+Arguments (:mod:`unicache_train.recipe`): ``--config BASE.yaml``, ``--checkpoint PATH``
+(``recipe.base_checkpoint``), ``recipe.FIELD=VALUE`` (:class:`RecipeOptions`),
+``finetune.SECTION.FIELD=VALUE`` (over ``recipe.finetune_config``) and ``SECTION.FIELD=VALUE``
+(the base :class:`~unicache_train.train.vlm.VLMRunConfig`). A single training run of this model
+is ``unicache-train vlm --config recipes/vlm_tiny.yaml``.
 """
 
 from __future__ import annotations
 
-import csv
-import dataclasses
 import math
 import os
 import sys
@@ -53,7 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from unicache_train.compress.config import MAX_RATE
-from unicache_train.config import ConfigError, apply_overrides, deep_merge, load_yaml
+from unicache_train.config import ConfigError, deep_merge, load_yaml
+from unicache_train.recipe import build_section, parse_recipe_args, run_sections
 from unicache_train.validation import check_int as _int
 
 HERE = Path(__file__).resolve().parent
@@ -66,11 +68,11 @@ class RecipeOptions:
     Attributes:
         base_checkpoint: the base model; None trains it first.
         finetune_config: YAML merged onto the base config for the fine-tune.
-        finetune_overrides: ``section.field=value`` overrides of the fine-tune.
+        finetune: overrides of it, the top-level ``finetune`` section
+            (``finetune.train.max_steps=600``).
         skip_finetune: stop after evaluating the base (and its rate grid).
         rates: target rates of every variant.
-        variants: variants evaluated on the base (:data:`~unicache_train.train.evaluate_vlm.
-            VARIANTS`).
+        variants: variants evaluated on the base (:data:`~unicache_train.eval.vlm.VARIANTS`).
         finetuned_variants: variants evaluated on the fine-tuned model.
         num_per_task: evaluation prompts per task type.
         eval_seed: seed of the evaluation scenes.
@@ -84,7 +86,7 @@ class RecipeOptions:
 
     base_checkpoint: str | None = None
     finetune_config: str = str(HERE / "vlm_tiny_finetune.yaml")
-    finetune_overrides: list[str] = field(default_factory=list)
+    finetune: dict[str, Any] = field(default_factory=dict)
     skip_finetune: bool = False
     rates: list[float] = field(default_factory=lambda: [0.3, 0.45, 0.6, 0.75])
     variants: list[str] = field(
@@ -130,43 +132,20 @@ class RecipeOptions:
 
 
 def parse_args(argv: list[str]) -> tuple[RecipeOptions, Any]:
-    """Split the arguments into recipe options and the base config (see the module doc)."""
+    """The arguments (see the module doc) -> the recipe options and the base config."""
     from unicache_train.train.vlm import VLMRunConfig
 
-    args = list(argv)
-    base_yaml = HERE / "vlm_tiny.yaml"
-    opts: dict[str, Any] = {}
-    base_over: list[str] = []
-    ft_over: list[str] = []
-    i = 0
-    while i < len(args):
-        a = args[i]
-        if a in ("--config", "--checkpoint"):
-            if i + 1 >= len(args):
-                raise ConfigError(f"{a} needs a path")
-            if a == "--config":
-                base_yaml = Path(args[i + 1])
-            else:
-                opts["base_checkpoint"] = args[i + 1]
-            i += 2
-            continue
-        key, sep, raw = a.partition("=")
-        if not sep:
-            raise ConfigError(f"argument {a!r} must look like section.field=value")
-        if key.startswith("recipe."):
-            opts[key.removeprefix("recipe.")] = load_yaml(raw)
-        elif key.startswith("finetune."):
-            ft_over.append(a.removeprefix("finetune."))
-        else:
-            base_over.append(a)
-        i += 1
-    known = {f.name for f in dataclasses.fields(RecipeOptions)}
-    unknown = sorted(set(opts) - known)
-    if unknown:
-        raise ConfigError(f"unknown recipe option(s) {unknown}; known: {sorted(known)}")
-    options = RecipeOptions(**opts)
-    options.finetune_overrides = [*options.finetune_overrides, *ft_over]
-    return options, VLMRunConfig.load(base_yaml, overrides=base_over)
+    sections = {
+        "recipe": RecipeOptions,
+        "finetune": "overrides of recipe.finetune_config (finetune.train.max_steps=600)",
+        **run_sections(VLMRunConfig),
+    }
+    data = parse_recipe_args(
+        argv, HERE / "vlm_tiny.yaml", sections, doc=__doc__,
+        flags={"--checkpoint": "recipe.base_checkpoint"},
+    )  # fmt: skip
+    options = build_section(RecipeOptions, data, "recipe", lifted=("finetune",))
+    return options, VLMRunConfig.from_dict(data)
 
 
 def finetune_config(options: RecipeOptions, base: Any) -> Any:
@@ -176,8 +155,7 @@ def finetune_config(options: RecipeOptions, base: Any) -> Any:
     path = Path(options.finetune_config)
     if not path.is_file():
         raise FileNotFoundError(f"recipe.finetune_config={str(path)!r}: no such file")
-    over = load_yaml(path.read_text()) or {}
-    apply_overrides(over, options.finetune_overrides)
+    over = deep_merge(load_yaml(path.read_text()) or {}, options.finetune)
     d = base.to_dict()
     d["compress"].pop("unicache")  # the fine-tune's preset + overrides decide it
     return VLMRunConfig.from_dict(deep_merge(d, over))
@@ -418,32 +396,28 @@ def plot_grid(grid: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=cols)
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
+def write_csv(rows: list[dict], path: Path) -> Path:
+    """Every key of the rows as a column, in first-seen order (:func:`eval.report.write_csv`)."""
+    from unicache_train.eval.report import write_csv as write
+
+    return write(path, rows, list(dict.fromkeys(k for r in rows for k in r)))
 
 
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """Run the recipe; returns the rows (None on ranks other than 0)."""
     from unicache_train.data.multimodal import load_multimodal_tokenizer
-    from unicache_train.train.evaluate_vlm import (
+    from unicache_train.eval.vlm import (
         VLMEvalConfig,
         evaluate_vlm,
         format_vlm_table,
         plot_accuracy,
         variant_config,
     )
-    from unicache_train.train.vlm import InitFromCheckpoint, fit_vlm, load_vlm_checkpoint
+    from unicache_train.train.run import InitFromCheckpoint
+    from unicache_train.train.vlm import fit_vlm, load_vlm_checkpoint
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in args):
-        print(__doc__)
-        return None
     options, base_cfg = parse_args(args)
     # NOTE: under `fabric run` every rank runs the training stages (DDP needs them all); only
     # rank 0 evaluates and writes, the others wait at the next fit.

@@ -392,9 +392,9 @@ def test_vlm_table_shows_the_realized_rate() -> None:
     text 0.40, vision 0.80, so 0.9 is out of reach)."""
     from unicache_train.data.scenes import SceneConfig
     from unicache_train.data.tokenizer import ByteTokenizer
+    from unicache_train.eval.vlm import VLMEvalConfig, evaluate_vlm, format_vlm_table
     from unicache_train.model.vision import VisionConfig
     from unicache_train.model.vlm import VisionLanguageModel
-    from unicache_train.train.evaluate_vlm import VLMEvalConfig, evaluate_vlm, format_vlm_table
 
     torch.manual_seed(0)
     model = VisionLanguageModel(

@@ -31,23 +31,25 @@ def _read(path: Path) -> tuple[list[str], list[dict[str, str]]]:
 
 @pytest.mark.parametrize("omp", [None, "1"])
 def test_command_line_names_the_recipe_and_its_arguments(monkeypatch, omp) -> None:
-    fc = _recipe("finetune_compress")
+    from unicache_train.recipe import command_line
+
     if omp is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
-    cmd = fc.command_line("finetune_xkv", ["--checkpoint", "a b.ckpt", "train.max_steps=5"])
+    cmd = command_line("finetune_xkv", ["--checkpoint", "a b.ckpt", "train.max_steps=5"])
     prefix = "" if omp is None else f"OMP_NUM_THREADS={omp} "
     args = "--checkpoint 'a b.ckpt' train.max_steps=5"
     assert cmd == f"{prefix}python recipes/finetune_xkv.py {args}"
 
 
 def test_finetune_compress_csv_leads_with_the_command(tmp_path) -> None:
-    fc = _recipe("finetune_compress")
+    from unicache_train.recipe import write_results_csv
+
     rows = [{"model": "uncompressed (base)", "ppl": 1.5},
             {"model": "base + compressed", "ppl": 1.6}]
     out = tmp_path / "sub" / "t.csv"
-    fc.write_results_csv(out, rows, "python recipes/finetune_compress.py x.y=1", 503.4)
+    write_results_csv(out, rows, "python recipes/finetune_compress.py x.y=1", 503.4)
     comments, back = _read(out)
     assert comments[0] == "# python recipes/finetune_compress.py x.y=1"
     assert comments[1].endswith(", 503s") and "torch" in comments[1]

@@ -9,7 +9,6 @@ was never created. A normal checkpoint written by a short fit still loads throug
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -75,14 +74,6 @@ def evil_ckpt(tmp_path: Path, marker: Path) -> Path:
     return _evil_checkpoint(tmp_path / "evil.ckpt", marker)
 
 
-def _load_recipe(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_payload_is_live(tmp_path, marker, evil_ckpt):
     torch.load(evil_ckpt, weights_only=False)
     assert marker.exists()  # the full unpickler ran it: the refusals below are real
@@ -121,17 +112,14 @@ def test_cli_subprocess_refuses_and_runs_nothing(tmp_path, marker, evil_ckpt):
 
 
 def test_loaders_refuse_a_malicious_file(tmp_path, marker, evil_ckpt):
-    from unicache_train.train.vlm import InitFromCheckpoint as VLMInit
+    from unicache_train.train.run import InitFromCheckpoint
     from unicache_train.train.vlm import load_vlm_checkpoint
 
-    recipe = _load_recipe("finetune_compress")
     loaders = {
         "load_torch_file": lambda: load_torch_file(evil_ckpt),
         "load_checkpoint": lambda: load_checkpoint(evil_ckpt),
         "load_vlm_checkpoint": lambda: load_vlm_checkpoint(evil_ckpt),
-        "vlm.InitFromCheckpoint": lambda: VLMInit(evil_ckpt).setup(None, None, "fit"),
-        "recipe InitFromCheckpoint": lambda: recipe.InitFromCheckpoint(evil_ckpt).setup(
-            None, None, "fit"),
+        "InitFromCheckpoint": lambda: InitFromCheckpoint(evil_ckpt).setup(None, None, "fit"),
         "AtomicCheckpointIO (resume)": lambda: AtomicCheckpointIO().load_checkpoint(evil_ckpt),
     }
     for name, load in loaders.items():
@@ -202,7 +190,7 @@ def test_a_normal_checkpoint_is_plain_data_and_loads_everywhere(tmp_path):
     """A fit with mHC, compression in the loop and the monitors writes a file that every
     loader reads with ``weights_only=True``, and resuming from it continues the run."""
     from unicache_train.train.module import LMModule
-    from unicache_train.train.run import fit
+    from unicache_train.train.run import InitFromCheckpoint, fit
 
     config = _small_config(tmp_path / "run")
     config.compress.enabled = True
@@ -214,7 +202,7 @@ def test_a_normal_checkpoint_is_plain_data_and_loads_everywhere(tmp_path):
     assert loaded.model.hc_mult == 2
     assert AtomicCheckpointIO().load_checkpoint(last)["global_step"] == 2
     module = LMModule(loaded)
-    _load_recipe("finetune_compress").InitFromCheckpoint(last).setup(None, module, "fit")
+    InitFromCheckpoint(last).setup(None, module, "fit")
     for name, w in model.state_dict().items():
         assert torch.equal(module.model.state_dict()[name], w), name
     resumed = fit(_small_config(tmp_path / "run", max_steps=4, resume="auto"))

@@ -31,16 +31,16 @@ from unicache_train.data.scenes import (
     scene_words,
 )
 from unicache_train.data.tokenizer import ByteTokenizer
-from unicache_train.model.generate import decode_teacher_forced
-from unicache_train.model.vision import VisionConfig, patchify
-from unicache_train.model.vlm import VisionLanguageModel
-from unicache_train.train.evaluate_vlm import (
+from unicache_train.eval.vlm import (
     VLMEvalConfig,
     evaluate_vlm,
     format_vlm_table,
     variant_config,
     write_vlm_outputs,
 )
+from unicache_train.model.generate import decode_teacher_forced
+from unicache_train.model.vision import VisionConfig, patchify
+from unicache_train.model.vlm import VisionLanguageModel
 from unicache_train.train.vlm import (
     VLMModule,
     VLMRunConfig,
@@ -452,7 +452,7 @@ def test_init_weights_from_a_text_decoder(tmp_path: Path) -> None:
 def test_uncompressed_reference_is_identity_decoding() -> None:
     """The evaluation's uncompressed row decodes on an identity-compressed cache, which is the
     plain model's greedy decoding."""
-    from unicache_train.train.evaluate_vlm import answer_accuracy, build_prompts
+    from unicache_train.eval.vlm import answer_accuracy, build_prompts
 
     model = tiny_vlm(seed=3).eval()
     samples = scene_samples(SCENES, 3, 8, list(TASKS))
@@ -499,7 +499,7 @@ def test_recipe_configs_load_and_merge() -> None:
     assert ft.model == base.model and ft.vision == base.vision
     grid = recipe.grid_configs(ft.compress.unicache, [0.65, 0.75], [0.25])
     assert grid["fixed v=0.75 t=0.25"].budget.vision_rate == 0.75
-    with pytest.raises(ConfigError, match="unknown recipe option"):
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['num_per_tasks'\] in recipe"):
         recipe.parse_args(["recipe.num_per_tasks=3"])
 
 

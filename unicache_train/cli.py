@@ -3,6 +3,9 @@
 Each subcommand is a plain function; its typed signature and docstring make the CLI
 (jsonargparse). Every subcommand accepts ``--config FILE.yaml`` (the recipe YAMLs in
 ``recipes/``) and dotted overrides such as ``--train.max_steps 50``.
+
+The multi-stage recipes (``python recipes/NAME.py``) share another, smaller surface built on the
+same config tree: :mod:`unicache_train.recipe`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from unicache_train.config import (
     RunConfig,
     TrainConfig,
 )
+from unicache_train.data.multimodal import MultimodalDataConfig
 from unicache_train.eval.sweep import CompressionEvalConfig
+from unicache_train.model.vision import VisionConfig
 
 
 def fit(
@@ -57,6 +62,44 @@ def fit(
             compress=compress,
         )
     )
+
+
+def vlm(
+    model: ModelConfig = ModelConfig(),  # noqa: B008  (jsonargparse reads these defaults)
+    vision: VisionConfig = VisionConfig(),  # noqa: B008
+    data: MultimodalDataConfig = MultimodalDataConfig(),  # noqa: B008
+    train: TrainConfig = TrainConfig(),  # noqa: B008
+    logging: LoggingConfig = LoggingConfig(),  # noqa: B008
+    monitor: MonitorConfig = MonitorConfig(),  # noqa: B008
+    compress: CompressionTrainConfig = CompressionTrainConfig(),  # noqa: B008
+) -> None:
+    """Train (or resume) a vision-language model (vision tower + projector + decoder) on the
+    synthetic scenes by default, or on local image-text files. Writes checkpoints and the resolved
+    config.yaml under ``train.out_dir``.
+
+    Example: ``unicache-train vlm --config recipes/vlm_tiny.yaml --train.max_steps 50``
+    (``recipes/vlm_tiny.py`` runs the whole study: tower pretraining, base, evaluation under
+    compression, fine-tune, control).
+
+    Args:
+        model: the language decoder (as ``fit``); ``vocab_size`` must cover the tokenizer.
+        vision: the vision tower and projector; ``vision.image_size`` equals
+            ``data.scenes.image_size`` for the synthetic scenes.
+        data: the image-text source ('synthetic' scenes, an imagefolder, parquet), tokenizer,
+            batch size, where the answer starts.
+        train: optimisation, hardware, checkpoints, resume (as ``fit``).
+        logging: logger and run metadata (as ``fit``).
+        monitor: signal-gain and compression-quality monitoring (as ``fit``).
+        compress: KV compression in the training loop (as ``fit``).
+    """
+    from unicache_train.train.vlm import VLMRunConfig, fit_vlm
+
+    fit_vlm(
+        VLMRunConfig(
+            model=model, vision=vision, data=data, train=train, logging=logging,
+            monitor=monitor, compress=compress,
+        )
+    )  # fmt: skip
 
 
 #: ``evaluate --logger`` values (None: no logger).
@@ -281,7 +324,7 @@ def _fold_compress_flags(argv: list[str]) -> list[str]:
 
     from unicache_train.config import deep_merge, load_yaml
 
-    if not argv or argv[0] not in ("fit", "pretrain"):
+    if not argv or argv[0] not in ("fit", "pretrain", "vlm"):
         return argv
     rest: list[str] = [argv[0]]
     folded: dict[str, dict[str, Any]] = {name: {} for name in _MAPPING_SECTIONS}
@@ -385,8 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     def run() -> None:
         args = _fold_compress_flags(list(sys.argv[1:] if argv is None else argv))
         CLI(
-            {"fit": fit, "pretrain": fit, "evaluate": evaluate, "generate": generate,
-             "export": export, "fetch": fetch},
+            {"fit": fit, "pretrain": fit, "vlm": vlm, "evaluate": evaluate,
+             "generate": generate, "export": export, "fetch": fetch},
             args=args,
             # Required parameters as --options (``evaluate --checkpoint X``, as the README has).
             as_positional=False,

@@ -13,7 +13,7 @@ import lightning as L
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 
-from unicache_train.config import ConfigError, RunConfig, pop_config_path
+from unicache_train.config import ConfigError, RunConfig
 from unicache_train.train.module import LMModule
 from unicache_train.train.strategies import parallelize_model
 
@@ -156,6 +156,27 @@ def resolve_resume(config: RunConfig) -> str | None:
     return resume
 
 
+class InitFromCheckpoint(L.Callback):
+    """Start a run from another run's weights (a ``.ckpt`` of :func:`fit` or ``fit_vlm``),
+    strictly: every ``model.*`` tensor must match.
+
+    Loads in ``setup``, before Lightning restores a resumed run's own checkpoint, so resuming
+    the new run keeps its progress. The file is read as plain data (runs no code).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        from unicache_train.checkpoint.safe_load import load_torch_file
+
+        ckpt = load_torch_file(self.path, map_location="cpu")
+        state = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+        pl_module.load_state_dict(state, strict=True)
+
+
 def fit(config: RunConfig, callbacks: list[L.Callback] | None = None) -> L.Trainer:
     """Train (or resume) a model as the config says; return the finished Trainer."""
     from unicache_train.data.datamodule import LMDataModule
@@ -193,21 +214,3 @@ def _finish_wandb() -> None:
     if getattr(wandb, "run", None) is not None:
         wandb.finish()
     wandb.teardown()
-
-
-def run_recipe(default_yaml: str | Path, argv: list[str] | None = None) -> L.Trainer:
-    """Entry point shared by the ``recipes/*.py`` scripts.
-
-    ``argv``: optional ``--config OTHER.yaml`` and ``section.field=value`` overrides, e.g.
-    ``train.max_steps=50 model.hc_mult=2``. The launcher's flags (``fabric run --devices 2
-    --strategy ddp``) arrive through the environment and are applied in :func:`fit`.
-    """
-    args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in args):
-        print(f"usage: [python | fabric run ...] RECIPE.py [--config FILE.yaml] "
-              f"[section.field=value ...]\n\ndefault config: {default_yaml}\n"
-              f"sections: model, data, train, logging (see `unicache-train fit --help`)")
-        raise SystemExit(0)
-    path, args = pop_config_path(args, default_yaml)
-    config = RunConfig.load(path, overrides=args)
-    return fit(config)

@@ -11,15 +11,12 @@ type (``val/answer_acc/<task>``: every answer token is the argmax given the gold
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-import yaml
 
 from unicache_train.config import (
     CompressionTrainConfig,
@@ -28,8 +25,6 @@ from unicache_train.config import (
     ModelConfig,
     MonitorConfig,
     TrainConfig,
-    apply_overrides,
-    load_yaml,
 )
 from unicache_train.data.multimodal import MultimodalDataConfig, MultimodalDataModule
 from unicache_train.data.scenes import TASKS
@@ -37,6 +32,7 @@ from unicache_train.model.vision import VisionConfig
 from unicache_train.model.vlm import VisionLanguageModel
 from unicache_train.train.compression import IGNORE_INDEX
 from unicache_train.train.module import LMModule
+from unicache_train.validation import ConfigBase
 from unicache_train.validation import build_config as _build
 
 __all__ = [
@@ -44,7 +40,6 @@ __all__ = [
     "VLMModule",
     "fit_vlm",
     "check_vocab",
-    "InitFromCheckpoint",
     "load_vlm_checkpoint",
     "answer_exact_match",
 ]
@@ -61,9 +56,14 @@ _SECTIONS: dict[str, type] = {
 
 
 @dataclass
-class VLMRunConfig:
+class VLMRunConfig(ConfigBase):
     """A vision-language run: :class:`~unicache_train.config.RunConfig`'s sections with a
-    ``vision`` section and multimodal ``data`` (:class:`MultimodalDataConfig`)."""
+    ``vision`` section and multimodal ``data`` (:class:`MultimodalDataConfig`).
+
+    ``to_dict``, ``save`` and ``load`` (YAML + ``section.field=value`` overrides) are
+    :class:`~unicache_train.validation.ConfigBase`'s; ``from_dict`` builds each section itself
+    (the vision and multimodal data configs validate nested mappings on their own).
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
@@ -84,9 +84,6 @@ class VLMRunConfig:
                 f"{self.vision.image_size} (the tower's input size)"
             )
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> VLMRunConfig:
         """Build from a nested mapping; unknown sections or fields raise naming them."""
@@ -99,24 +96,6 @@ class VLMRunConfig:
             for name, value in data.items()
         }
         return cls(**kwargs)
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path, overrides: list[str] | None = None) -> VLMRunConfig:
-        """Read a YAML config and apply ``section.field=value`` overrides."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        data = load_yaml(path.read_text()) or {}  # 1e-4 is a number (YAML 1.2 floats)
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-        apply_overrides(data, overrides or [])
-        return cls.from_dict(data)
 
 
 def answer_exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -215,23 +194,6 @@ class VLMModule(LMModule):
                      sync_dist=False)  # fmt: skip
 
 
-class InitFromCheckpoint(L.Callback):
-    """Start a run from another run's weights (``.ckpt``), strictly. Loads in ``setup``, before
-    Lightning restores a resumed run's own checkpoint, so resuming keeps the run's progress."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        from unicache_train.checkpoint.safe_load import load_torch_file
-
-        ckpt = load_torch_file(self.path, map_location="cpu")  # plain data only: runs no code
-        state = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-        pl_module.load_state_dict(state, strict=True)
-
-
 def check_vocab(config: VLMRunConfig, tokenizer) -> None:
     """The model's embedding table must cover the tokenizer's ids."""
     if config.model.vocab_size < tokenizer.vocab_size:
@@ -289,15 +251,3 @@ def load_vlm_checkpoint(
     model.load_state_dict(state)
     model.eval()
     return model, config
-
-
-def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - thin CLI
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print("usage: python -m unicache_train.train.vlm CONFIG.yaml [section.field=value ...]")
-        return
-    fit_vlm(VLMRunConfig.load(args[0], overrides=args[1:]))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _main()
