@@ -14,6 +14,8 @@
 - :mod:`~unicache_train.eval.budget`: settings calibrated to a measured KV-bytes reduction.
 - :mod:`~unicache_train.eval.report`: the shared text table and CSV writer, plots, logger
   metrics.
+- :mod:`~unicache_train.eval.vlm`: a vision-language model's per-task accuracy under each
+  compression variant, answers decoded on the real compressed cache.
 
 The real-checkpoint tasks return an accumulator with the estimate and its standard error.
 """
