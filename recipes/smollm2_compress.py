@@ -189,7 +189,7 @@ def finetune(kind: str, ckpt_dir: Path, run: dict[str, Any], study, method_cfg, 
     trainer = fit(config)
     model = trainer.lightning_module.model.float().eval()
     export = out / kind / "export"
-    export_hf(model, export, family="llama")
+    export_hf(model, export, family="llama", tokenizer_from=config.data.tokenizer)
     return model, export
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from unicache_train.checkpoint import serving
 from unicache_train.checkpoint.hf import HFCheckpointError, check_weight, load_safetensors_dir
 from unicache_train.config import ConfigError, ModelConfig
 from unicache_train.model import Decoder
@@ -282,30 +283,45 @@ def export_deepseek_v3(
     dtype: torch.dtype | None = None,
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
+    tokenizer_from: Any = None,
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` loadable by
-    ``transformers.DeepseekV3ForCausalLM.from_pretrained(out_dir)``.
+    ``transformers.DeepseekV3ForCausalLM.from_pretrained(out_dir)`` (and ``AutoModelForCausalLM``),
+    with the tokenizer, ``generation_config.json`` and chat template a serving stack needs
+    (:mod:`unicache_train.checkpoint.serving`; the same rules as
+    :func:`~unicache_train.checkpoint.hf.export_hf`).
 
     Args:
         model: an MLA :class:`Decoder` (``attention_type="mla"``, plain residual, no biases).
         out_dir: directory to create / overwrite.
         dtype: cast the tensors (e.g. ``torch.bfloat16``); default: keep the model's dtype.
-        bos_token_id, eos_token_id: the tokenizer's special ids, recorded in the config.
+        bos_token_id, eos_token_id: special ids for the config and generation config; default:
+            the tokenizer source's.
+        tokenizer_from: the directory whose tokenizer files, ``generation_config.json`` and
+            chat template are copied (e.g. the GQA checkpoint a model was converted to MLA
+            from), ``"byte"``, or a tokenizer object. Default: ``model.hf_source_dir``
+            (recorded by :func:`import_deepseek_v3` and
+            :func:`~unicache_train.checkpoint.hf.import_hf`).
 
     Returns:
         ``out_dir`` as a :class:`Path`.
     """
+    source = serving.tokenizer_source(model, tokenizer_from)
     sd = to_deepseek_v3_state_dict(model)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
     dtype_name = str(next(iter(sd.values())).dtype).removeprefix("torch.")
-    hf_config = to_deepseek_v3_config(
-        model.config, bos_token_id=bos_token_id, eos_token_id=eos_token_id, dtype=dtype_name
-    )
+    hf_config = to_deepseek_v3_config(model.config, dtype=dtype_name)
+    hf_config.update(serving.special_token_ids(
+        source, model.config.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+    ))  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    serving.write_serving_files(
+        out, source, hf_config, bos_token_id=bos_token_id, eos_token_id=eos_token_id
+    )
     return out
 
 
@@ -334,4 +350,5 @@ def import_deepseek_v3(path: str | Path) -> Decoder:
     sd = from_deepseek_v3_state_dict(tensors, config, interleave)
     model = Decoder(config)
     model.load_state_dict(sd, strict=True)
+    setattr(model, serving.SOURCE_ATTR, path)  # export takes the tokenizer files from here
     return model.eval()

@@ -53,6 +53,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from unicache_train.checkpoint import serving
 from unicache_train.config import ConfigError, ModelConfig
 from unicache_train.model import Decoder
 
@@ -494,7 +495,10 @@ def import_hf(
 
     Supports ``llama``, ``qwen2``, ``qwen3``, ``mistral`` and our ``unicache_mhc`` export. The
     tokenizer, if the directory has one, loads with
-    ``unicache_train.data.tokenizer.load_tokenizer(path)``.
+    ``unicache_train.data.tokenizer.load_tokenizer(path)``. The directory is recorded on the
+    model as ``model.hf_source_dir``: :func:`export_hf` copies its tokenizer, generation config
+    and chat template from there (a converted model is a new module: pass
+    ``tokenizer_from=path`` to the export instead).
 
     Args:
         path: directory with ``config.json`` and safetensors weights, or a ``.gguf`` file of
@@ -521,6 +525,7 @@ def import_hf(
     model.load_state_dict(sd, strict=True)
     if dtype is not None:
         model.to(dtype)
+    setattr(model, serving.SOURCE_ATTR, path)  # export takes the tokenizer files from here
     return model.eval(), config
 
 
@@ -545,9 +550,18 @@ def export_hf(
     compression_policy: dict[str, Any] | None = None,
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
+    tokenizer_from: Any = None,
 ) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` that ``AutoModelForCausalLM.from_pretrained``
-    loads (mHC models: plus the remote-code files; load with ``trust_remote_code=True``).
+    """Write a directory that serves as it is: ``config.json`` + ``model.safetensors`` that
+    ``AutoModelForCausalLM.from_pretrained`` loads (mHC models: plus the remote-code files; load
+    with ``trust_remote_code=True``), the tokenizer that ``AutoTokenizer.from_pretrained``
+    loads, ``generation_config.json`` and the chat template when the source has one
+    (:mod:`unicache_train.checkpoint.serving`).
+
+    ``model, _ = import_hf(src); ...; export_hf(model, out)`` takes them from ``src`` (recorded
+    by :func:`import_hf`); a model built otherwise (trained from scratch, converted, fine-tuned
+    through Lightning) names its tokenizer with ``tokenizer_from``. Without one, a warning says
+    the export has no tokenizer.
 
     Args:
         model: a GQA :class:`Decoder` (plain residual, or mHC with the ``deepseek_v4`` preset).
@@ -556,18 +570,29 @@ def export_hf(
         dtype: ``"fp32"`` / ``"bf16"`` / a torch dtype; default: the model's dtype. mHC
             connection parameters stay fp32 (as HF keeps deepseek_v4's).
         compression_policy: if given, written to ``compression_config.json`` (see module doc).
-        bos_token_id, eos_token_id: the tokenizer's special ids, recorded in the config.
+        bos_token_id, eos_token_id: special ids for the config and generation config; default:
+            the tokenizer source's (its ``config.json``, then ``generation_config.json``, then
+            the tokenizer's own).
+        tokenizer_from: the checkpoint (or tokenizer) directory whose tokenizer files,
+            ``generation_config.json`` and chat template are copied verbatim; ``"byte"`` (our
+            byte tokenizer, written in HF form); or a tokenizer object (``save_pretrained``).
+            Default: ``model.hf_source_dir``, the directory :func:`import_hf` read.
 
     Returns:
         ``out_dir`` as a :class:`Path`.
+
+    Raises:
+        HFCheckpointError: the model has no form in ``family`` (named field).
+        FileNotFoundError: ``tokenizer_from`` is a path that is not a directory.
     """
+    source = serving.tokenizer_source(model, tokenizer_from)
     target = _dtype_name(dtype, model)
     sd = to_hf_state_dict(model, family)
     sd = {k: (v if _is_hc(k) else v.to(target)) for k, v in sd.items()}
-    hf_config = to_hf_config(
-        model.config, family, dtype=str(target).removeprefix("torch."),
-        bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-    )
+    hf_config = to_hf_config(model.config, family, dtype=str(target).removeprefix("torch."))
+    hf_config.update(serving.special_token_ids(
+        source, model.config.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+    ))  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
@@ -577,6 +602,9 @@ def export_hf(
             shutil.copyfile(_REMOTE_CODE / name, out / name)
     if compression_policy is not None:
         write_compression_config(compression_policy, out)
+    serving.write_serving_files(
+        out, source, hf_config, bos_token_id=bos_token_id, eos_token_id=eos_token_id
+    )
     return out
 
 
@@ -690,6 +718,8 @@ def merge_kv_heads(model: Decoder, groups: list[list[list[int]]]) -> Decoder:
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     new.load_state_dict(sd, strict=not config.tie_word_embeddings)
+    if hasattr(model, serving.SOURCE_ATTR):  # same vocabulary: the source's tokenizer still fits
+        setattr(new, serving.SOURCE_ATTR, getattr(model, serving.SOURCE_ATTR))
     return new.train(model.training)
 
 
