@@ -284,6 +284,7 @@ def test_export_refuses_what_the_family_cannot_hold(tmp_path):
 # ------------------------------------------------------------------------------- recipe
 def test_finetune_hf_recipe_trains_mhc_and_exports(tmp_path):
     import importlib.util
+    import sys
     from pathlib import Path
 
     from safetensors.torch import load_file
@@ -292,6 +293,7 @@ def test_finetune_hf_recipe_trains_mhc_and_exports(tmp_path):
     spec = importlib.util.spec_from_file_location(
         "finetune_hf", Path(__file__).parents[1] / "recipes" / "finetune_hf.py")
     recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe  # its dataclasses look their module up while being built
     spec.loader.exec_module(recipe)
     out = tmp_path / "run"
     trainer = recipe.main([
