@@ -3,7 +3,7 @@
     python recipes/finetune_xkv.py                     # pretrains the tiny base first (~5 min)
     python recipes/finetune_xkv.py \
         --checkpoint runs/finetune_compress/pretrain/checkpoints/last.ckpt
-    python recipes/finetune_xkv.py recipe.train_ratios=[8] recipe.finetune_unicache=false \\
+    python recipes/finetune_xkv.py recipe.train_reductions=[8] recipe.finetune_unicache=false \\
         train.max_steps=50 compress.xkv.gradient=causal
 
 On a shared, loaded CPU set ``OMP_NUM_THREADS=1``.
@@ -14,21 +14,22 @@ Shares the fine-tune-from-a-base stages with ``finetune_compress.py`` through th
 
 1. base: ``--checkpoint``, else pretrain the tiny model
    (``recipes/pretrain_tiny.yaml``, under ``<out_dir>/pretrain``, resumable);
-2. evaluate the base uncompressed, under xKV at each of ``recipe.eval_ratios`` (rank chosen so
-   the stored factors take ``1 / ratio`` of the 16-bit cache) and under UniCache at the same
+2. evaluate the base uncompressed, under xKV at each of ``recipe.eval_reductions`` (rank chosen
+   so the stored factors take ``1 / reduction`` of the 16-bit cache) and under UniCache at the same
    bytes (target rate calibrated on the first batch, int8): continuation perplexity, key-value
    recall decoded on the real compressed caches, attention/output KL, real KV bytes;
-3. per ratio in ``recipe.train_ratios``: fine-tune from the base with xKV in the loop
+3. per reduction in ``recipe.train_reductions``: fine-tune from the base with xKV in the loop
    (``finetune_xkv.yaml``, ``<out_dir>/xkv_<R>x``) and, with ``recipe.finetune_unicache``,
    with UniCache at the calibrated rate (``<out_dir>/unicache_<R>x``); evaluate each under its
-   own method and ratio;
+   own method and reduction;
 4. print and write the table (``<out_dir>/finetune_xkv.csv``; per-stage CSV/PNG under
    ``<out_dir>/eval``).
 
 Arguments: as ``finetune_compress.py`` (``--config``, ``--checkpoint``, ``recipe.FIELD=VALUE``,
 ``pretrain.SECTION.FIELD=VALUE``, ``SECTION.FIELD=VALUE``); the ``recipe`` section is
-:class:`XKVOptions` (``finetune_compress``'s options plus ``recipe.eval_ratios``,
-``recipe.train_ratios``, ``recipe.finetune_unicache``, ``recipe.control``).
+:class:`XKVOptions` (``finetune_compress``'s options plus ``recipe.eval_reductions``,
+``recipe.train_reductions``, ``recipe.finetune_unicache``, ``recipe.control``). A reduction is
+uncompressed 16-bit bytes / stored bytes (docs/architecture.md#words).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from unicache_train.config import ConfigError, RunConfig
 from unicache_train.recipe import (
@@ -58,8 +59,8 @@ class XKVOptions(FinetuneOptions):
     """The ``recipe`` section: :class:`~unicache_train.recipe.FinetuneOptions`'s fields and
 
     Attributes:
-        eval_ratios: KV-bytes reductions at which the base is evaluated (xKV and UniCache).
-        train_ratios: one xKV fine-tune (and UniCache fine-tune) per ratio.
+        eval_reductions: KV reductions at which the base is evaluated (xKV and UniCache).
+        train_reductions: one xKV fine-tune (and UniCache fine-tune) per reduction.
         finetune_unicache: also fine-tune UniCache at the same bytes, for the side-by-side.
         control: also fine-tune the same number of steps with the identity compressor (same
             splits, loss and KL, nothing compressed: ``<out_dir>/control``) and evaluate it
@@ -67,10 +68,15 @@ class XKVOptions(FinetuneOptions):
             control separates that from learning to tolerate compression.
     """
 
-    eval_ratios: list[float] = field(default_factory=lambda: [4.0, 8.0])
-    train_ratios: list[float] = field(default_factory=lambda: [4.0, 8.0])
+    eval_reductions: list[float] = field(default_factory=lambda: [4.0, 8.0])
+    train_reductions: list[float] = field(default_factory=lambda: [4.0, 8.0])
     finetune_unicache: bool = True
     control: bool = True
+
+    renamed_fields: ClassVar[dict[str, str]] = {
+        "eval_ratios": "eval_reductions",
+        "train_ratios": "train_reductions",
+    }
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,12 +85,14 @@ class XKVOptions(FinetuneOptions):
                 raise ConfigError(
                     f"recipe.{name}={getattr(self, name)!r}: expected a bool (true or false)"
                 )
-        for name in ("eval_ratios", "train_ratios"):
+        for name in ("eval_reductions", "train_reductions"):
             values = getattr(self, name)
             if not isinstance(values, list) or not all(
                 isinstance(v, (int, float)) and 1 <= v <= 64 for v in values
             ):
-                raise ConfigError(f"recipe.{name}={values!r}: expected a list of ratios in [1, 64]")
+                raise ConfigError(
+                    f"recipe.{name}={values!r}: expected a list of reductions in [1, 64]"
+                )
 
 
 def parse_args(argv: list[str]) -> tuple[XKVOptions, RunConfig]:
@@ -117,15 +125,15 @@ def evaluate(model, config: RunConfig, tokenizer, loader, options, name: str, **
 def table(
     base_rows, tuned: dict[tuple[float, str], list[dict[str, Any]]], control=None
 ) -> list[dict]:
-    """One row per (ratio, method): the base and the fine-tuned model, compressed, plus the
+    """One row per (reduction, method): the base and the fine-tuned model, compressed, plus the
     fine-tuned model uncompressed and the control (fine-tuned without compression) compressed
     and uncompressed; every reference is the base uncompressed."""
     ref = base_rows[0]
     out = []
     for k, r in enumerate(base_rows[1:]):
-        method, label, ratio = r["method"], r["label"], r["kv_target"]
+        method, label, target = r["method"], r["label"], r["target_reduction"]
         ctrl = control[k + 1] if control else None
-        ft_rows = tuned.get((ratio, method))
+        ft_rows = tuned.get((target, method))
         ft = ft_rows[1] if ft_rows else None
         ft_plain = ft_rows[0] if ft_rows else None
 
@@ -134,8 +142,8 @@ def table(
 
         nan = float("nan")
         out.append({
-            "ratio": ratio, "method": method, "setting": label,
-            "kv_reduction": 1.0 / r["kv_bytes_ratio"] if r["kv_bytes_ratio"] > 0 else nan,
+            "target_reduction": target, "method": method, "setting": label,
+            "kv_reduction": r["kv_reduction"],
             "ppl_base_uncompressed": ref["ppl"],
             "ppl_base_compressed": r["ppl"], "base_increase": rel(r["ppl"]),
             "ppl_ft_compressed": ft["ppl"] if ft else nan,
@@ -177,35 +185,37 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
 
     t = time.perf_counter()
     base_rows = evaluate(base_model, ft, dm.tokenizer, loader, options, "base", rates=[],
-                         xkv_ratios=options.eval_ratios, match_unicache=True)  # fmt: skip
+                         xkv_reductions=options.eval_reductions, match_unicache=True)  # fmt: skip
     times["eval_base"] = time.perf_counter() - t
-    matched = {r["kv_target"]: r["rate"] for r in base_rows if r["method"] == "unicache"}
+    matched = {r["target_reduction"]: r["rate"] for r in base_rows if r["method"] == "unicache"}
     tuned: dict[tuple[float, str], list[dict[str, Any]]] = {}
-    for ratio in options.train_ratios:
-        runs = [("xkv", sub_config(ft, f"xkv_{ratio:g}x", method="xkv", xkv={"ratio": ratio}))]
+    for red in options.train_reductions:
+        runs = [("xkv", sub_config(ft, f"xkv_{red:g}x", method="xkv", xkv={"reduction": red}))]
         if options.finetune_unicache:
-            if ratio not in matched:
-                raise ConfigError(f"recipe.train_ratios: {ratio} is not in recipe.eval_ratios")
-            rate = matched[ratio]
-            cfg = sub_config(ft, f"unicache_{ratio:g}x", method="unicache",
+            if red not in matched:
+                raise ConfigError(
+                    f"recipe.train_reductions: {red} is not in recipe.eval_reductions"
+                )
+            rate = matched[red]
+            cfg = sub_config(ft, f"unicache_{red:g}x", method="unicache",
                              unicache={"target_rate": rate})  # fmt: skip
             runs.append(("unicache", cfg))
         for method, cfg in runs:
             t = time.perf_counter()
             trainer = fit(cfg, callbacks=[InitFromCheckpoint(base_ckpt)])
-            times[f"finetune_{method}_{ratio:g}x"] = time.perf_counter() - t
+            times[f"finetune_{method}_{red:g}x"] = time.perf_counter() - t
             if not (trainer.is_global_zero and rank0):
                 continue
             model, _ = load_checkpoint(Path(cfg.train.out_dir) / "checkpoints" / "last.ckpt")
-            name = f"finetuned_{method}_{ratio:g}x"
+            name = f"finetuned_{method}_{red:g}x"
             if method == "xkv":
                 rows = evaluate(model, cfg, dm.tokenizer, loader, options, name, rates=[],
-                                xkv_ratios=[ratio], match_unicache=False)  # fmt: skip
+                                xkv_reductions=[red], match_unicache=False)  # fmt: skip
             else:
                 rows = evaluate(model, cfg, dm.tokenizer, loader, options, name,
                                 rates=[cfg.compress.unicache.target_rate])  # fmt: skip
                 rows[1]["method"] = "unicache"
-            tuned[(ratio, method)] = rows
+            tuned[(red, method)] = rows
     control = None
     if options.control:
         cfg = sub_config(ft, "control", method="none")
@@ -217,13 +227,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
             # The base's settings (UniCache at the rates calibrated on the base), in the base's
             # row order.
             xrows = evaluate(model, cfg, dm.tokenizer, loader, options, "control_xkv", rates=[],
-                             xkv_ratios=options.eval_ratios, match_unicache=False)  # fmt: skip
-            by_ratio = evaluate(model, cfg, dm.tokenizer, loader, options, "control_unicache",
-                                rates=[matched[r] for r in options.eval_ratios])  # fmt: skip
+                             xkv_reductions=options.eval_reductions,
+                             match_unicache=False)  # fmt: skip
+            by_rate = evaluate(model, cfg, dm.tokenizer, loader, options, "control_unicache",
+                               rates=[matched[r] for r in options.eval_reductions])  # fmt: skip
             control = [xrows[0]]
             for r in base_rows[1:]:
-                src = xrows if r["method"] == "xkv" else by_ratio
-                idx = options.eval_ratios.index(r["kv_target"]) + 1
+                src = xrows if r["method"] == "xkv" else by_rate
+                idx = options.eval_reductions.index(r["target_reduction"]) + 1
                 control.append(src[idx])
     if not rank0:
         return None

@@ -113,7 +113,7 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
             cfg = text_unicache(rate, pool, quant)
             out.append(Setting(method, red, rate, lambda c=cfg: UniCacheCompressor(c), cfg))
         else:
-            xcfg = XKVConfig(rank_mode="ratio", ratio=red, group_size=2)
+            xcfg = XKVConfig(rank_mode="reduction", reduction=red, group_size=2)
             got = measured_reduction(model, calib_ids, calib_split, XKVCompressor(xcfg))
             out.append(Setting("xkv", red, math.nan, lambda c=xcfg: XKVCompressor(c), got))
         s = out[-1]
@@ -140,7 +140,7 @@ def evaluate(model, tok, name, settings, tasks, study, blocks, log) -> list[dict
             )
             rows.append({
                 "model": name, "method": s.method, "target_reduction": s.target,
-                "rate": s.rate, "kv_reduction": r.bytes_reduction, "task": task.name,
+                "rate": s.rate, "kv_reduction": r.kv_reduction, "task": task.name,
                 "recall": r.accuracy, "recall_se": r.stderr, "n": r.n,
                 "ppl": text.perplexity, "ppl_se": text.ppl_stderr,
                 "ppl_delta": text.perplexity / ppl0 - 1.0 if ppl0 else math.nan,

@@ -242,7 +242,9 @@ def claims_report(rows: list[dict], grid: list[dict], rate: float = 0.6) -> str:
         + "."
     )
     lines += ["", "## 1. Global normalization makes the model ignore the image", ""]
-    lines.append("| variant | rate | vision kept | text kept | acc | describe | count | refer |")
+    lines.append(
+        "| variant | rate | vision removed | text removed | acc | describe | count | refer |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|")
     for variant in (
         "unicache",
@@ -256,8 +258,8 @@ def claims_report(rows: list[dict], grid: list[dict], rate: float = 0.6) -> str:
             if row is None:
                 continue
             lines.append(
-                f"| {variant} | {r:g} | {row['keep_ratio/vision']:.3f} | "
-                f"{row['keep_ratio/text']:.3f} | {row['acc']:.3f} | {row['acc/describe']:.3f} | "
+                f"| {variant} | {r:g} | {row['rate_realized/vision']:.3f} | "
+                f"{row['rate_realized/text']:.3f} | {row['acc']:.3f} | {row['acc/describe']:.3f} | "
                 f"{row['acc/count']:.3f} | {row['acc/refer']:.3f} |"
             )
     lines += ["", "## 2. Alignment protection on the referring task", ""]
@@ -311,10 +313,10 @@ def markdown_table(rows: list[dict]) -> str:
         "acc/count",
         "acc/refer",
         "acc",
-        "keep_ratio/vision",
-        "keep_ratio/text",
+        "rate_realized/vision",
+        "rate_realized/text",
         "protected_fraction",
-        "kv_bytes_ratio",
+        "kv_reduction",
     ]
     head = [
         "model",
@@ -324,10 +326,10 @@ def markdown_table(rows: list[dict]) -> str:
         "count",
         "refer",
         "all",
-        "vision kept",
-        "text kept",
+        "vision removed",
+        "text removed",
         "protected",
-        "KV bytes",
+        "KV reduction",
     ]
 
     def fmt(v: Any) -> str:

@@ -46,7 +46,8 @@ class Case:
     Attributes:
         times, cpu_times: wall and process CPU seconds of each timed step.
         svd_times: seconds spent in ``torch.linalg.svd`` per timed step (xKV cases).
-        keep_ratio, kv_bytes_ratio: the compressor's stats of the last step (NaN: none).
+        rate_realized, kv_reduction: the compressor's stats of the last step (NaN: none;
+            docs/architecture.md#words).
     """
 
     name: str
@@ -54,8 +55,8 @@ class Case:
     times: list[float] = field(default_factory=list)
     cpu_times: list[float] = field(default_factory=list)
     svd_times: list[float] = field(default_factory=list)
-    keep_ratio: float = float("nan")
-    kv_bytes_ratio: float = float("nan")
+    rate_realized: float = float("nan")
+    kv_reduction: float = float("nan")
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:

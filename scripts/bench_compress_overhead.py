@@ -82,8 +82,8 @@ def _setup_inloop(name: str, kl_weight: float, method: str = "unicache") -> Call
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            case.keep_ratio = float(logs.get("compress/keep_ratio", float("nan")))
-            case.kv_bytes_ratio = float(logs.get("compress/kv_bytes_ratio", float("nan")))
+            case.rate_realized = float(logs.get("compress/rate_realized", float("nan")))
+            case.kv_reduction = float(logs.get("compress/kv_reduction", float("nan")))
             return float(loss.detach())
 
         case.step = step
@@ -136,7 +136,7 @@ def _config(args, enabled: bool, kl_weight: float = 0.0, method: str = "unicache
             method=method,
             preset="text_style_baseline",
             unicache={"target_rate": args.rate, "quantize": {"bits": args.bits}},
-            xkv={"rank_mode": "ratio", "ratio": args.xkv_ratio},
+            xkv={"rank_mode": "reduction", "reduction": args.xkv_reduction},
             min_context=32,
             kl_weight=kl_weight,
         ),
@@ -164,8 +164,8 @@ def write_report(args, cases: list[Case]) -> None:
         {
             "case": c.name,
             **timing_columns(c, plain, "plain"),
-            "keep_ratio": f"{c.keep_ratio:.3f}",
-            "kv_bytes_ratio": f"{c.kv_bytes_ratio:.3f}",
+            "rate_realized": f"{c.rate_realized:.3f}",
+            "kv_reduction": f"{c.kv_reduction:.2f}",
         }
         for c in cases
     ]
@@ -196,7 +196,7 @@ def main() -> None:
     p.add_argument("--no-kl", dest="kl", action="store_false", help="skip the inloop_kl case")
     p.add_argument("--hf", default=None, help="a fetched checkpoint name (smollm2) or HF dir")
     p.add_argument("--xkv", action="store_true", help="also xKV in the loop (inloop_xkv)")
-    p.add_argument("--xkv-ratio", type=float, default=4.0, help="xKV KV-bytes reduction")
+    p.add_argument("--xkv-reduction", type=float, default=4.0, help="xKV KV reduction")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -21,11 +21,11 @@ Cases (one setup function each):
                      causal prefill doubles as the KL's uncompressed forward
 
 Also reported: ``svd_ms``, the SVD time per step of the xKV cases (measured by wrapping
-``torch.linalg.svd``) and ``kv_bytes_ratio`` of the compressed cases.
+``torch.linalg.svd``) and ``kv_reduction`` of the compressed cases.
 
 Usage:
   OMP_NUM_THREADS=1 python scripts/bench_xkv_overhead.py --threads 1
-  python scripts/bench_xkv_overhead.py --ratio 8 --group-size 4 --kl
+  python scripts/bench_xkv_overhead.py --reduction 8 --group-size 4 --kl
 
 Appends one row per case to ``scripts/results/bench_xkv_overhead.csv`` with the machine.
 Never imported by the library.
@@ -117,7 +117,7 @@ def _inloop(name: str, method: str, kl: bool = False, **xkv) -> Callable:
             opt.step()
             opt.zero_grad(set_to_none=True)
             case.svd_times.append(svd.seconds)
-            case.kv_bytes_ratio = float(logs.get("compress/kv_bytes_ratio", float("nan")))
+            case.kv_reduction = float(logs.get("compress/kv_reduction", float("nan")))
             return float(loss.detach())
 
         case.step = step
@@ -160,7 +160,8 @@ def _config(args, method: str, enabled: bool = True, kl_weight: float = 0.0, **x
             method=method,
             preset="text_style_baseline",
             unicache={"target_rate": args.unicache_rate, "quantize": {"bits": 8}},
-            xkv={"group_size": args.group_size, "rank_mode": "ratio", "ratio": args.ratio, **xkv},
+            xkv={"group_size": args.group_size, "rank_mode": "reduction",
+                 "reduction": args.reduction, **xkv},  # fmt: skip
             min_context=32,
             kl_weight=kl_weight,
         ),
@@ -187,17 +188,17 @@ def write_report(args, cases: list[Case]) -> None:
                 "baseline": ref.name,
                 **timing_columns(c, ref, "baseline"),
                 "svd_ms": f"{svd:.1f}",
-                "kv_bytes_ratio": f"{c.kv_bytes_ratio:.3f}",
+                "kv_reduction": f"{c.kv_reduction:.2f}",
             }
         )
     title = (
         f"training step, {args.layers} layers x {args.hidden_size}, B={args.batch_size}, "
-        f"T={args.seq_len}, xKV ratio {args.ratio:g}x group {args.group_size}, "
+        f"T={args.seq_len}, xKV reduction {args.reduction:g}x group {args.group_size}, "
         f"UniCache rate {args.unicache_rate} int8, {args.repeats} repeats (round-robin)"
     )
     setup = {
         "layers": args.layers, "hidden_size": args.hidden_size, "batch_size": args.batch_size,
-        "seq_len": args.seq_len, "ratio": args.ratio, "group_size": args.group_size,
+        "seq_len": args.seq_len, "reduction": args.reduction, "group_size": args.group_size,
         "refresh": args.refresh, "unicache_rate": args.unicache_rate, "repeats": args.repeats,
     }  # fmt: skip
     report(title, rows, "bench_xkv_overhead", setup)
@@ -206,7 +207,7 @@ def write_report(args, cases: list[Case]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(p)
-    p.add_argument("--ratio", type=float, default=4.0, help="xKV KV-bytes reduction")
+    p.add_argument("--reduction", type=float, default=4.0, help="xKV KV reduction")
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--refresh", type=int, default=8, help="refresh_every of xkv_refresh")
     p.add_argument("--unicache-rate", type=float, default=0.58,

@@ -32,7 +32,8 @@ with a plain loop (cached under ``runs/merge_rule_study/``). Per rule and target
 
 Pipeline: the default preset with head merging and quantization off (both act the same under
 every rule and would only add to every row). The text-only tiny model meets the default text
-cap (0.40), so the realized rate (``realized_rate = 1 - keep_ratio``) is shown beside the target.
+cap (0.40), so the realized rate (``realized_rate``: context tokens removed) is shown beside the
+target.
 
     OMP_NUM_THREADS=1 python scripts/merge_rule_study.py [--steps 300] [--rates 0.3 0.6]
 Writes scripts/results/merge_rule_study.csv (one row per rule x rate x layer, plus a ``mean``
@@ -217,7 +218,7 @@ def attention_stats(model, batch, split, rule: str, rate: float) -> list[dict[st
         out.append({
             "rel_err": e_all,
             "rel_err_merged": e_merged,
-            "realized_rate": 1.0 - float(seg.stats["keep_ratio"]),
+            "realized_rate": float(seg.stats["rate_realized"]),
             "merged_fraction": float(seg.stats["merged_fraction"]),
             "evicted_fraction": float(seg.stats["evicted_fraction"]),
         })

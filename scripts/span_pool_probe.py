@@ -64,7 +64,7 @@ def main() -> None:
             r = run_recall(model, tok, recs, make(rate), batch_size=16)
             rows.append(("unicache", red, rate, pool, r))
             print(
-                f"{red:g}x pool {pool}: rate {rate:.3f} measured {r.bytes_reduction:.2f}x "
+                f"{red:g}x pool {pool}: rate {rate:.3f} measured {r.kv_reduction:.2f}x "
                 f"recall {r.accuracy:.3f} ± {r.stderr:.3f}  ({time.time() - t0:.0f}s)",
                 flush=True,
             )
@@ -79,7 +79,7 @@ def main() -> None:
             ])  # fmt: skip
         for method, red, rate, pool, r in rows:
             w.writerow([
-                method, red, rate, pool, f"{r.bytes_reduction:.3f}", f"recall{a.pairs}",
+                method, red, rate, pool, f"{r.kv_reduction:.3f}", f"recall{a.pairs}",
                 f"{r.accuracy:.4f}", f"{r.stderr:.4f}", r.n,
                 f"{platform.processor() or platform.machine()} threads={a.threads}",
             ])  # fmt: skip

@@ -78,6 +78,10 @@ CLI_CASES = {
         "ModelConfig.hc_mult=8 has no effect with residual_mode='residual'"),
     "fit unicache rate": (["fit", "--compress.unicache.target_rate", "1.5"],
                           "UniCacheConfig.target_rate=1.5 is out of range; allowed [0.0, 0.95]"),
+    "fit old xkv ratio": (["fit", "--compress.xkv.ratio", "4"],
+                          "XKVConfig.ratio was renamed to XKVConfig.reduction"),
+    "fit old xkv rank_mode": (["fit", "--compress.xkv.rank_mode", "ratio"],
+                              "XKVConfig.rank_mode='ratio' was renamed to 'reduction'"),
     "fit unicache rate e-notation": (
         ["fit", "--compress.unicache.target_rate", "2e0"],
         "UniCacheConfig.target_rate=2.0 is out of range"),
@@ -238,8 +242,15 @@ RECIPE_CASES = {
                                   "hf.checkpoint_dir is not set: pass --checkpoint_dir DIR"),
     "finetune_hf unknown": ("finetune_hf", "parse", ["hf.checkpoint_dir=x", "hf.nope=1"],
                             "unknown field(s) ['nope'] in hf"),
-    "finetune_xkv ratios": ("finetune_xkv", "parse_args", ["recipe.eval_ratios=[0.5]"],
-                            "recipe.eval_ratios=[0.5]: expected a list of ratios in [1, 64]"),
+    "finetune_xkv reductions": (
+        "finetune_xkv", "parse_args", ["recipe.eval_reductions=[0.5]"],
+        "recipe.eval_reductions=[0.5]: expected a list of reductions in [1, 64]"),
+    "finetune_xkv old ratios": (
+        "finetune_xkv", "parse_args", ["recipe.train_ratios=[4]"],
+        "recipe.train_ratios was renamed to recipe.train_reductions"),
+    "finetune_xkv old xkv ratio": (
+        "finetune_xkv", "parse_args", ["compress.xkv.ratio=8"],
+        "XKVConfig.ratio was renamed to XKVConfig.reduction"),
     "finetune_xkv bool": ("finetune_xkv", "parse_args", ["recipe.control=maybe"],
                           "recipe.control='maybe': expected a bool"),
     "vlm_tiny unknown": ("vlm_tiny", "parse_args", ["recipe.nope=1"],
@@ -347,9 +358,22 @@ API_CASES = {
     "UniCacheConfig target_rate": raises(
         ConfigError, lambda: UniCacheConfig.from_dict({"target_rate": 1.5}),
         "UniCacheConfig.target_rate=1.5 is out of range; allowed [0.0, 0.95]"),
-    "XKVConfig ratio": raises(
-        ConfigError, lambda: XKVConfig(rank_mode="ratio", ratio=0.5),
-        "XKVConfig.ratio=0.5 is out of range; allowed [1.0, 64.0]"),
+    "XKVConfig reduction": raises(
+        ConfigError, lambda: XKVConfig(rank_mode="reduction", reduction=0.5),
+        "XKVConfig.reduction=0.5 is out of range; allowed [1.0, 64.0]"),
+    # renamed fields and values (docs/architecture.md#words): the old name, then the new one
+    "XKVConfig old ratio": raises(
+        ConfigError, lambda: XKVConfig.from_dict({"ratio": 4.0}),
+        "XKVConfig.ratio was renamed to XKVConfig.reduction"),
+    "XKVConfig old rank_mode": raises(
+        ConfigError, lambda: XKVConfig(rank_mode="ratio"),
+        "XKVConfig.rank_mode='ratio' was renamed to 'reduction'"),
+    "RunConfig old xkv ratio": raises(
+        ConfigError, lambda: RunConfig.from_dict({"compress": {"xkv": {"ratio": 4.0}}}),
+        "XKVConfig.ratio was renamed to XKVConfig.reduction"),
+    "CompressionEvalConfig old xkv ratio": raises(
+        ConfigError, lambda: CompressionEvalConfig(xkv={"ratio": 4.0}),
+        "CompressionEvalConfig.xkv.ratio was renamed to CompressionEvalConfig.xkv.reduction"),
     "UniCacheCompressor rate_scale": raises(
         ValueError, lambda: UniCacheCompressor().set_rate_scale(2),
         "rate_scale=2 is out of range; allowed [0.0, 1.0]"),

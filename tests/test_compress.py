@@ -159,7 +159,7 @@ def test_matrix_seam(method: str) -> None:
     split = torch.tensor([17, 33, 47])
     rec = Recorder(UniCacheCompressor(METHODS[method]()))
     out = model(ids, modality_ids=mod, split=split, compressor=rec)
-    assert len(rec.calls) == 3 and len(out.compression) == 3
+    assert len(rec.calls) == 3 and len(out.compression_stats) == 3
     for inp, seg, state in rec.calls:
         check_segment(inp, seg)
         _check_state(state, rec.inner.config)
@@ -168,15 +168,15 @@ def test_matrix_seam(method: str) -> None:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     assert model.layers[0].self_attn.k_proj.weight.grad.abs().sum() > 0
-    for stats in out.compression:
+    for stats in out.compression_stats:
         for key in (
-            "keep_ratio",
+            "rate_realized",
             "kv_bytes",
-            "kv_bytes_ratio",
+            "kv_reduction",
             "merged_fraction",
             "evicted_fraction",
             "heads_merged",
-            "keep_ratio/vision",
+            "rate_realized/vision",
         ):
             assert key in stats and torch.isfinite(stats[key])
 
@@ -192,9 +192,9 @@ def test_rate_zero_is_identity_bit_for_bit() -> None:
         assert seg.keys is inp.keys and seg.values is inp.values  # not even a copy
         assert torch.equal(seg.valid, inp.context_mask)
         assert torch.equal(seg.counts, torch.ones_like(seg.counts))
-        assert float(seg.stats["keep_ratio"]) == 1.0
+        assert float(seg.stats["rate_realized"]) == 0.0
         assert float(seg.stats["heads_merged"]) == 0.0
-        assert float(seg.stats["kv_bytes_ratio"]) == 1.0
+        assert float(seg.stats["kv_reduction"]) == 1.0
 
 
 def test_rate_zero_with_int8_keeps_structure_quantizes_values() -> None:
@@ -205,7 +205,7 @@ def test_rate_zero_with_int8_keeps_structure_quantizes_values() -> None:
     err = (seg.keys - inp.keys)[inp.context_mask[:, None].expand_as(inp.keys[..., 0])]
     assert err.abs().max() <= inp.keys.abs().max() / 127 * 0.51
     D = inp.keys.shape[-1]
-    assert float(seg.stats["kv_bytes_ratio"]) == pytest.approx((D + 2) / (2 * D))
+    assert float(seg.stats["kv_reduction"]) == pytest.approx(2 * D / (D + 2))
     # Straight-through: the gradient of the dequantized values is the identity.
     g = torch.randn_like(seg.keys)
     (gk,) = torch.autograd.grad((seg.keys * g).sum(), inp.keys)
@@ -272,7 +272,7 @@ def test_empty_context_sample() -> None:
 def test_audio_is_a_generic_modality_and_bad_ids_raise() -> None:
     inp = make_input()
     seg = UniCacheCompressor()(inp)
-    assert {"keep_ratio/text", "keep_ratio/vision", "keep_ratio/audio"} <= set(seg.stats)
+    assert {"rate_realized/text", "rate_realized/vision", "rate_realized/audio"} <= set(seg.stats)
     bad = make_input()
     bad.modality_ids[0, 3] = 3
     with pytest.raises(ValueError, match="modality_ids"):
@@ -347,13 +347,13 @@ def test_curriculum_moves_rate_scale_on_one_instance() -> None:
     inp = make_input(H=3, twin_heads=True)
     comp = UniCacheCompressor(UniCacheConfig(rate_scale=0.0, quantize=QuantizeConfig(bits=None)))
     assert comp(inp).keys is inp.keys
-    keep = []
+    removed = []
     for scale in (0.25, 0.5, 1.0):
         comp.set_rate_scale(scale)
         seg = comp(inp)
         check_segment(inp, seg)
-        keep.append(float(seg.stats["keep_ratio"]))
-    assert keep[0] > keep[1] > keep[2]
+        removed.append(float(seg.stats["rate_realized"]))
+    assert removed[0] < removed[1] < removed[2]
     assert comp.config.rate_scale == 1.0
     with pytest.raises(ValueError, match="rate_scale"):
         comp.set_rate_scale(1.5)

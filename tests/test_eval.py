@@ -92,7 +92,7 @@ def test_rows_columns_and_monotone_quality(rows_and_logger) -> None:
     assert zero["ppl"] == pytest.approx(unc["ppl"], rel=1e-6)
     assert zero["attn_kl"] == pytest.approx(0.0, abs=1e-6)
     assert zero["output_kl"] == pytest.approx(0.0, abs=1e-6)
-    assert zero["kv_bytes_ratio"] == pytest.approx(1.0)
+    assert zero["kv_reduction"] == pytest.approx(1.0)
     assert zero["kl_ok"] is True and zero["ppl_ok"] is True
     # This untrained model recalls nothing uncompressed: the recall check cannot measure a
     # drop, so it (and with it the verdict) reads n/a instead of a meaningless pass.
@@ -100,14 +100,14 @@ def test_rows_columns_and_monotone_quality(rows_and_logger) -> None:
     assert zero["acc_ok"] is None and zero["pass"] is None
     # 60% of the context removed: attention really differs and the cache is smaller.
     assert six["attn_kl"] > 1e-3 and six["output_kl"] > 0
-    assert 0.3 < six["kv_bytes_ratio"] < 0.6 and six["keep_ratio"] < 0.5
+    assert 1 / 0.6 < six["kv_reduction"] < 1 / 0.3 and six["rate_realized"] > 0.5
     assert 0.0 <= six["recall_acc"] <= 1.0 and not math.isnan(unc["recall_acc"])
     # Monotone in the rate, on one fixed model and the same tokens: more context removed ->
     # fewer realized KV bytes, and attention / output drift away from the uncompressed model.
     # (Perplexity is not asserted: on an untrained model it moves by noise, either way.)
     seq = [zero, three, six]
     assert [r["rate_realized"] for r in seq] == sorted(r["rate_realized"] for r in seq)
-    assert zero["kv_bytes_ratio"] > three["kv_bytes_ratio"] > six["kv_bytes_ratio"]
+    assert zero["kv_reduction"] < three["kv_reduction"] < six["kv_reduction"]
     assert zero["attn_kl"] <= three["attn_kl"] <= six["attn_kl"]
     assert zero["output_kl"] <= three["output_kl"] <= six["output_kl"]
     # The text-style preset has no text cap: what was asked is what was removed.
@@ -126,7 +126,7 @@ def test_logger_gets_compress_metrics(rows_and_logger) -> None:
         "compress/attn_kl",
         "compress/ppl_delta",
         "compress/recall_acc_delta",
-        "compress/kv_bytes_ratio",
+        "compress/kv_reduction",
         "compress/rate",
         "compress/rate_realized",
         "compress/budget_shortfall",
@@ -152,8 +152,8 @@ def test_csv_and_png_outputs(rows_and_logger, tmp_path: Path) -> None:
 
 def _row(acc: float, acc_plain: float, ppl: float, attn_kl: float) -> dict:
     """A row at rate 0.6, int8, against an uncompressed perplexity of 10."""
-    q = Quality(ppl=ppl, recall_acc=acc, attn_kl=attn_kl, output_kl=0.01, kv_bytes_ratio=0.24,
-                keep_ratio=0.4)  # fmt: skip
+    q = Quality(ppl=ppl, recall_acc=acc, attn_kl=attn_kl, output_kl=0.01, kv_reduction=4.2,
+                rate_realized=0.6)  # fmt: skip
     return quality_row(Setting("r", "unicache", 0.6, 8), q, Quality(ppl=10.0, recall_acc=acc_plain))
 
 
@@ -252,7 +252,7 @@ def test_cli_evaluate_writes_table_csv_png(tmp_path: Path) -> None:
     with (out / "compression_eval.csv").open() as fh:
         got = list(csv.DictReader(fh))
     assert [r["label"] for r in got] == ["uncompressed", "rate=0 int8", "rate=0.6 int8"]
-    assert float(got[2]["kv_bytes_ratio"]) < 0.3  # int8 + 60% removed: > 3x smaller
+    assert float(got[2]["kv_reduction"]) > 1 / 0.3  # int8 + 60% removed: > 3x smaller
     assert (out / "compression_eval.png").is_file()
     metrics = list(out.glob("compression_eval/version_*/metrics.csv"))
     assert metrics and "compress/attn_kl" in metrics[0].read_text().splitlines()[0]
@@ -365,7 +365,7 @@ def test_capped_rate_reports_realized_rate_and_shortfall_and_warns_once() -> Non
     assert len(shortfall_warnings) == 1
     msg = str(shortfall_warnings[0].message)
     assert "removed 0.40" in msg and "budget.text_cap" in msg
-    for st in out.compression:  # every layer: the cap, not the schedule, decides
+    for st in out.compression_stats:  # every layer: the cap, not the schedule, decides
         realized, asked = float(st["rate_realized"]), float(st["rate_target"])
         assert realized == pytest.approx(0.40, abs=0.02)
         assert float(st["budget_shortfall"]) == pytest.approx(asked - realized, abs=0.02)
@@ -411,7 +411,6 @@ def test_vlm_table_shows_the_realized_rate() -> None:
         rows = evaluate_vlm(model, ByteTokenizer(), scenes, UniCacheConfig(), opts)
     unc, uc = rows
     assert unc["rate_realized"] == 0.0 and math.isnan(unc["budget_shortfall"])
-    assert uc["rate_realized"] == pytest.approx(1.0 - uc["keep_ratio"])
     assert 0.3 < uc["rate_realized"] < 0.85
     assert uc["budget_shortfall"] == pytest.approx(0.9 - uc["rate_realized"])
     header = format_vlm_table(rows).splitlines()[0].split()
@@ -429,9 +428,9 @@ def test_finetune_recipe_table_recall_na_and_realized_rate() -> None:
     fc = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = fc
     spec.loader.exec_module(fc)
-    unc = dict(ppl=10.0, recall_acc=0.0, kv_bytes_ratio=1.0, attn_kl=0.0, output_kl=0.0,
+    unc = dict(ppl=10.0, recall_acc=0.0, kv_reduction=1.0, attn_kl=0.0, output_kl=0.0,
                rate_realized=0.0)  # fmt: skip
-    ok = dict(unc, ppl=10.2, kv_bytes_ratio=0.3, attn_kl=0.05, rate_realized=0.4)
+    ok = dict(unc, ppl=10.2, kv_reduction=1 / 0.3, attn_kl=0.05, rate_realized=0.4)
     bad = dict(ok, attn_kl=0.2)
     rows = fc.before_after([unc, ok], [unc, bad])
     assert [r["checks_s6"] for r in rows] == ["n/a", "n/a", "fail", "n/a"]

@@ -89,7 +89,7 @@ def test_recall_with_identity_equals_plain_greedy_decoding_on_ragged_questions()
     want = [_reference_greedy(model, tok, r, n_new) for r in recs]
     assert got.predictions == want
     assert got.n == 5 and got.hits == sum(p == r["answer"] for p, r in zip(want, recs))
-    assert got.bytes_reduction == pytest.approx(1.0)
+    assert got.kv_reduction == pytest.approx(1.0)
 
 
 @torch.no_grad()
@@ -101,7 +101,7 @@ def test_recall_reports_the_bytes_of_the_compressed_cache():
         "quantize": {"enabled": True, "bits": 8},
     })  # fmt: skip
     r = run_recall(model, tok, recs, UniCacheCompressor(cfg), batch_size=2)
-    assert r.bytes_reduction > 2.5  # half the tokens, int8 (+ scales and metadata)
+    assert r.kv_reduction > 2.5  # half the tokens, int8 (+ scales and metadata)
 
 
 def test_binomial_stderr():
@@ -207,9 +207,9 @@ def test_recall_decodes_on_an_xkv_cache_and_reports_its_bytes():
 
     model, tok = byte_model(), ByteTokenizer()
     recs = recall_records(RecallTask(pairs=4, value_digits=2), 3, 1_000_011)
-    xkv = XKVCompressor(XKVConfig(rank_mode="ratio", ratio=4.0, group_size=2))
+    xkv = XKVCompressor(XKVConfig(rank_mode="reduction", reduction=4.0, group_size=2))
     r = run_recall(model, tok, recs, xkv, batch_size=3)
-    assert r.n == 3 and 3.0 < r.bytes_reduction <= 4.5
+    assert r.n == 3 and 3.0 < r.kv_reduction <= 4.5
 
 
 def test_cli_fetch_refuses_an_unknown_name(capsys):

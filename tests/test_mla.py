@@ -216,7 +216,7 @@ def test_identity_compressor_on_latent_equals_plain_forward():
     cfg = model.config
     R, Dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     assert seen[0] == ((3, 1, 24, R + Dr), (3, 1, 24, R), (3, 4, 24, R + Dr))
-    assert len(seamed.compression) == cfg.num_hidden_layers
+    assert len(seamed.compression_stats) == cfg.num_hidden_layers
     plain.sum().backward()  # the seam stays differentiable
     model.zero_grad()
     seamed.logits.sum().backward()
@@ -385,7 +385,7 @@ def test_unicache_pipeline_runs_on_the_latent_cache():
     model = Decoder(mla_config(initializer_range=0.02))
     ids = torch.randint(0, VOCAB, (2, 40))
     out = model(ids, split=torch.tensor([30, 24]), compressor=UniCacheCompressor(UniCacheConfig()))
-    assert out.compression[0]["keep_ratio"] < 1
+    assert out.compression_stats[0]["rate_realized"] > 0
     out.logits.float().pow(2).mean().backward()
     assert torch.isfinite(model.layers[0].self_attn.kv_a_proj_with_mqa.weight.grad).all()
 

@@ -101,7 +101,7 @@ def test_identity_compressor_seam_equals_plain_forward():
     seamed = model(ids, split=split, compressor=IdentityCompressor())
     # Same math, keys concatenated in a different order inside one SDPA call.
     torch.testing.assert_close(seamed.logits, plain, atol=1e-6, rtol=1e-5)
-    assert len(seamed.compression) == model.config.num_hidden_layers
+    assert len(seamed.compression_stats) == model.config.num_hidden_layers
 
 
 def test_seam_drops_context_for_continuation_only():

@@ -28,6 +28,7 @@ from unicache_train.monitor import (
     mix_stats,
 )
 from unicache_train.monitor.callbacks import _LayerProbe
+from unicache_train.monitor.metrics import layer_mean_stats
 from unicache_train.train.module import LMModule
 from unicache_train.train.run import fit
 
@@ -55,14 +56,19 @@ def test_composite_gain_bounded_for_doubly_stochastic_not_for_unconstrained():
 
 def test_compression_metric_names():
     per_layer = [
-        {"kv_bytes_ratio": torch.tensor(0.25), "keep_ratio": 0.4, "keep_ratio/vision": 0.3},
-        {"kv_bytes_ratio": torch.tensor(0.35), "keep_ratio": 0.6, "keep_ratio/vision": 0.5},
-    ]
+        {"kv_bytes": torch.tensor(100.0), "kv_reduction": torch.tensor(4.0),
+         "rate_realized": 0.6, "rate_realized/vision": 0.7},
+        {"kv_bytes": torch.tensor(300.0), "kv_reduction": torch.tensor(2.0),
+         "rate_realized": 0.4, "rate_realized/vision": 0.5},
+    ]  # fmt: skip
     m = compression_metrics(per_layer)
-    assert m["compress/kv_bytes_ratio"] == pytest.approx(0.30)
-    assert m["compress/keep_ratio/vision"] == pytest.approx(0.40)
-    assert m["compress/kv_bytes_ratio/layer_01"] == pytest.approx(0.35)
-    assert m["compress/keep_ratio/vision/layer_00"] == pytest.approx(0.3)
+    # The whole cache's reduction (400 + 600 uncompressed bytes / 400 stored), not the mean.
+    assert m["compress/kv_reduction"] == pytest.approx(2.5)
+    assert m["compress/kv_bytes"] == pytest.approx(400.0)
+    assert m["compress/rate_realized/vision"] == pytest.approx(0.60)
+    assert m["compress/kv_reduction/layer_01"] == pytest.approx(2.0)
+    assert m["compress/rate_realized/vision/layer_00"] == pytest.approx(0.7)
+    assert layer_mean_stats(per_layer)["compress/kv_reduction"] == pytest.approx(2.5)
     sink = CompressionQualityMonitor()
     with pytest.raises(ValueError, match="must start with 'compress/'"):
         sink.record({"attn_kl": 0.1})

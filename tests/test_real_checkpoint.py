@@ -62,7 +62,7 @@ def test_short_recall_prompts_are_answerable_uncompressed(smollm2):
     recs = recall_records(RecallTask(pairs=4), 8, 1_000_003)
     r = run_recall(model, tok, recs, IdentityCompressor(), batch_size=8)
     assert r.n == 8 and r.accuracy >= 0.25, r.predictions
-    assert r.bytes_reduction == pytest.approx(1.0)
+    assert r.kv_reduction == pytest.approx(1.0)
 
 
 @pytest.mark.slow  # dequantizes the 98 MB GGUF again (about a minute)

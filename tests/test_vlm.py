@@ -340,14 +340,14 @@ def test_evaluate_vlm_rows_and_outputs(tmp_path: Path) -> None:
     rows = evaluate_vlm(model, TOK, SCENES, UniCacheConfig(), opts)
     assert [r["variant"] for r in rows] == ["uncompressed"] + ["text_style"] * 2 + ["unicache"] * 2
     unc = rows[0]
-    assert unc["kv_bytes_ratio"] == 1.0 and unc["keep_ratio/vision"] == 1.0 and unc["n"] == 6
+    assert unc["kv_reduction"] == 1.0 and unc["rate_realized/vision"] == 0.0 and unc["n"] == 6
     for r in rows[1:]:
-        assert 0 < r["keep_ratio/vision"] < 1 and 0 < r["keep_ratio/text"] <= 1
-        assert 0 < r["kv_bytes_ratio"] < 0.6  # int8 and fewer entries
+        assert 0 < r["rate_realized/vision"] < 1 and 0 <= r["rate_realized/text"] < 1
+        assert r["kv_reduction"] > 1 / 0.6  # int8 and fewer entries
         assert all(0 <= r[f"acc/{t}"] <= 1 for t in TASKS)
     # UniCache compresses vision harder than text; the text-style baseline uses one rate.
     uc = rows[4]
-    assert uc["keep_ratio/vision"] < uc["keep_ratio/text"]
+    assert uc["rate_realized/vision"] > uc["rate_realized/text"]
     assert "global" == variant_config(UniCacheConfig(), "text_style", 0.6).importance.normalize
     assert "text_style" in format_vlm_table(rows)
     csv_path, png = write_vlm_outputs(rows, tmp_path, "t")
@@ -387,7 +387,7 @@ def test_vlm_module_in_loop_compression_fit_and_reload(tmp_path: Path) -> None:
     assert trainer.global_step == 3
     metrics = trainer.callback_metrics
     assert "val/answer_acc" in metrics and "val/ppl_compressed" in metrics
-    assert "compress/keep_ratio/vision" in metrics
+    assert "compress/rate_realized/vision" in metrics
     model, loaded = load_vlm_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert loaded == cfg and isinstance(model, VisionLanguageModel)
     # The module's compressed loss reaches the vision tower.
@@ -398,7 +398,7 @@ def test_vlm_module_in_loop_compression_fit_and_reload(tmp_path: Path) -> None:
     loss, logs, per_layer = module.compressed_loss(batch, step=10)
     loss.backward()
     assert module.model.vision_tower.patch_embed.weight.grad.abs().sum() > 0
-    assert len(per_layer) == 2 and float(logs["compress/keep_ratio/vision"]) < 1.0
+    assert len(per_layer) == 2 and float(logs["compress/rate_realized/vision"]) > 0.0
 
 
 def test_vision_pretraining_learns_patches_and_loads_as_init_weights(tmp_path: Path) -> None:

@@ -121,30 +121,33 @@ def test_group_size_one_is_per_layer_svd() -> None:
             assert int(low.rank_k[b]) == round(0.25 * 32)
 
 
-@pytest.mark.parametrize("ratio", [4.0, 8.0])
-def test_realized_ratio_equals_configured(ratio: float) -> None:
+@pytest.mark.parametrize("reduction", [4.0, 8.0])
+def test_realized_reduction_equals_configured(reduction: float) -> None:
     """Context 64 tokens, group width 2 layers x 2 heads x 16 = 64: rank
-    ``64 * 64 / (ratio * (64 + 64))`` is an integer, so the factors take exactly 1/ratio."""
+    ``64 * 64 / (reduction * (64 + 64))`` is an integer, so the factors take exactly
+    1/reduction."""
     model = tiny(num_hidden_layers=4)
     ids = torch.randint(0, V, (2, 80))
     split = torch.tensor([64, 64])
-    comp = XKVCompressor(XKVConfig(group_size=2, rank_mode="ratio", ratio=ratio))
+    comp = XKVCompressor(XKVConfig(group_size=2, rank_mode="reduction", reduction=reduction))
     with torch.no_grad():
         out = model(ids, split=split, compressor=comp)
-    kv = sum(float(s["kv_bytes"]) for s in out.compression)
+    kv = sum(float(s["kv_bytes"]) for s in out.compression_stats)
     base = 4 * 2 * 64 * (2 * 2 * 16) * 2  # layers x samples x tokens x (K+V width) x 2 bytes
-    assert kv / base == pytest.approx(1.0 / ratio, abs=0, rel=1e-12)
-    assert all(float(s["xkv_rank_k"]) == 64 * 64 / (ratio * 128) for s in out.compression)
+    assert base / kv == pytest.approx(reduction, abs=0, rel=1e-12)
+    assert all(
+        float(s["xkv_rank_k"]) == 64 * 64 / (reduction * 128) for s in out.compression_stats
+    )
     # The decoding cache stores the factors (not the reconstruction) and counts the same bytes.
     _, cache = decode_teacher_forced(model, ids[:, :66], split, comp)
     assert cache.kv_bytes() == int(kv)
-    assert cache.kv_bytes() / cache.baseline_bytes(16) == pytest.approx(1.0 / ratio, rel=1e-12)
+    assert cache.baseline_bytes(16) / cache.kv_bytes() == pytest.approx(reduction, rel=1e-12)
     for seg in cache.segments:
         assert seg.keys is None and seg.values is None and seg.lowrank is not None
 
 
-def test_ratio_rank_is_the_largest_within_budget_for_ragged_contexts() -> None:
-    cfg = XKVConfig(rank_mode="ratio", ratio=4.0)
+def test_reduction_rank_is_the_largest_within_budget_for_ragged_contexts() -> None:
+    cfg = XKVConfig(rank_mode="reduction", reduction=4.0)
     rows = torch.tensor([13, 50, 200])
     W = 96
     sv = torch.ones(3, W)
@@ -185,7 +188,7 @@ def test_bf16_model_factorises_in_fp32() -> None:
 # ------------------------------------------------------------------ in-loop == inference
 CASES = {
     "g2_fraction": dict(group_size=2, rank_fraction=0.25),
-    "g3_ratio8": dict(group_size=3, rank_mode="ratio", ratio=8.0),
+    "g3_reduction8": dict(group_size=3, rank_mode="reduction", reduction=8.0),
     "g2_energy": dict(group_size=2, rank_mode="energy", energy=0.8),
     "g2_post_rope": dict(group_size=2, rank_fraction=0.25, keys_pre_rope=False),
     "g2_causal_refresh": dict(group_size=2, rank_fraction=0.25, gradient="causal", refresh_every=4),
@@ -199,7 +202,7 @@ def test_inloop_forward_equals_prefill_compress_decode(case: str) -> None:
     split = torch.tensor([29, 18])  # ragged: each sample decodes from its own split
     if case == "unicache+xkv":
         comp = XKVCompressor(
-            XKVConfig(group_size=2, rank_mode="ratio", ratio=4.0),
+            XKVConfig(group_size=2, rank_mode="reduction", reduction=4.0),
             token_compressor=UniCacheCompressor(text_unicache(0.5)),
         )
     else:
@@ -213,7 +216,7 @@ def test_inloop_forward_equals_prefill_compress_decode(case: str) -> None:
     # continuation then attends the same numbers in another key layout (SDPA blocking, padding
     # slots): fp32 round-off, ~4e-7 seen, as for UniCache in test_inloop.py.
     torch.testing.assert_close(got[cont], ref.logits[cont], atol=1e-5, rtol=1e-5)
-    stat_bytes = sum(float(s["kv_bytes"]) for s in ref.compression)
+    stat_bytes = sum(float(s["kv_bytes"]) for s in ref.compression_stats)
     assert cache.kv_bytes(include_metadata=False) == int(stat_bytes)
     # Nothing of a forward stays on the compressor: outside its decoder's forward it refuses.
     from unicache_train.compress.testing import make_input
@@ -221,17 +224,17 @@ def test_inloop_forward_equals_prefill_compress_decode(case: str) -> None:
     with pytest.raises(RuntimeError, match="cross-layer"):
         comp(make_input())
     if case == "unicache+xkv":
-        keep = [float(s["keep_ratio"]) for s in ref.compression]
-        assert max(keep) < 0.75
-        ratio = cache.kv_bytes() / cache.baseline_bytes(16)
-        assert ratio <= 0.25 + 1e-9
+        removed = [float(s["rate_realized"]) for s in ref.compression_stats]
+        assert min(removed) > 0.25
+        reduction = cache.baseline_bytes(16) / cache.kv_bytes()
+        assert reduction >= 1 / (0.25 + 1e-9)
 
 
 def test_greedy_generation_on_compressed_cache_matches_inloop_argmax() -> None:
     model = tiny()
     prompts = torch.randint(0, V, (2, 30))
     split = torch.tensor([30, 22])
-    comp = XKVCompressor(XKVConfig(group_size=2, rank_mode="ratio", ratio=4.0))
+    comp = XKVCompressor(XKVConfig(group_size=2, rank_mode="reduction", reduction=4.0))
     gen = generate_compressed(model, prompts, split, comp, max_new_tokens=5).tokens
     for b in range(2):
         s = int(split[b])
@@ -248,7 +251,7 @@ def test_inputs_embeds_and_positions_reach_the_prefill() -> None:
     ids = torch.randint(0, V, (2, 32))
     split = torch.tensor([20, 26])
     pos = torch.arange(32).expand(2, 32) + torch.tensor([[0], [5]])
-    comp = XKVCompressor(XKVConfig(rank_mode="ratio", ratio=4.0))
+    comp = XKVCompressor(XKVConfig(rank_mode="reduction", reduction=4.0))
     with torch.no_grad():
         a = model(ids, positions=pos, split=split, compressor=comp).logits
         b = model(inputs_embeds=model.embed_tokens(ids), positions=pos, split=split,
@@ -279,10 +282,10 @@ def test_mla_latents_share_one_factorisation() -> None:
     assert seg.lowrank.token_v is None  # values (c_kv) are read back from the keys
     R = 24
     torch.testing.assert_close(seg.values, seg.keys[..., :R])
-    comp = XKVCompressor(XKVConfig(group_size=3, rank_mode="ratio", ratio=4.0))
+    comp = XKVCompressor(XKVConfig(group_size=3, rank_mode="reduction", reduction=4.0))
     with torch.no_grad():
         out = model(ids, split=split, compressor=comp)
-    kv = sum(float(s["kv_bytes"]) for s in out.compression)
+    kv = sum(float(s["kv_bytes"]) for s in out.compression_stats)
     base = 3 * int(split.sum()) * (R + 8) * 2  # the latent c_kv ‖ k_pe once, 16 bit
     assert 0.2 < kv / base <= 0.25
 
@@ -291,7 +294,7 @@ def test_mla_xkv_gradients() -> None:
     model = tiny_mla().train()
     ids = torch.randint(0, V, (2, 40))
     split = torch.tensor([30, 25])
-    comp = XKVCompressor(XKVConfig(group_size=3, rank_mode="ratio", ratio=4.0))
+    comp = XKVCompressor(XKVConfig(group_size=3, rank_mode="reduction", reduction=4.0))
     logits = model(ids, split=split, compressor=comp).logits
     logits[:, 30:].float().logsumexp(-1).mean().backward()
     g = model.layers[2].self_attn.kv_a_proj_with_mqa.weight.grad
@@ -303,7 +306,8 @@ def _continuation_grads(mode: str) -> dict[str, torch.Tensor]:
     model = tiny().train()
     ids = torch.randint(0, V, (3, 48), generator=torch.Generator().manual_seed(3))
     split = torch.tensor([30, 24, 40])
-    comp = XKVCompressor(XKVConfig(group_size=3, rank_mode="ratio", ratio=4.0, gradient=mode))
+    cfg = XKVConfig(group_size=3, rank_mode="reduction", reduction=4.0, gradient=mode)
+    comp = XKVCompressor(cfg)
     logits = model(ids, split=split, compressor=comp).logits
     # Loss on tokens t >= split only: the last layer's context K/V reach it only through the
     # segment, i.e. through the projection onto the detached basis.
@@ -343,7 +347,7 @@ def test_activation_recompute_gives_the_same_gradients(mode: str) -> None:
         model = tiny().train()
         if recompute:
             apply_activation_checkpointing(model)
-        cfg = XKVConfig(group_size=2, rank_mode="ratio", ratio=4.0,
+        cfg = XKVConfig(group_size=2, rank_mode="reduction", reduction=4.0,
                         gradient="causal" if mode == "causal" else "exact")  # fmt: skip
         tok = UniCacheCompressor(text_unicache(0.5)) if mode == "unicache+xkv" else None
         comp = XKVCompressor(cfg, token_compressor=tok)
@@ -368,7 +372,7 @@ def test_module_step_with_xkv_and_kl_reuses_the_prefill() -> None:
         compress=CompressionTrainConfig(
             enabled=True,
             method="xkv",
-            xkv={"rank_mode": "ratio", "ratio": 4.0, "gradient": "causal"},
+            xkv={"rank_mode": "reduction", "reduction": 4.0, "gradient": "causal"},
             kl_weight=0.5,
             min_context=8,
         ),
@@ -386,7 +390,7 @@ def test_module_step_with_xkv_and_kl_reuses_the_prefill() -> None:
     assert len(calls) == 2
     loss.backward()
     assert torch.isfinite(loss) and float(logs["train/kl"]) > 0
-    assert 0.2 < float(logs["compress/kv_bytes_ratio"]) <= 0.25
+    assert 4.0 - 1e-6 <= float(logs["compress/kv_reduction"]) < 5.0
     assert all(
         torch.isfinite(p.grad).all() for p in module.model.parameters() if p.grad is not None
     )
@@ -427,14 +431,14 @@ def test_rate_scale_zero_is_the_identity_and_scales_the_rank() -> None:
     model = tiny()
     ids = torch.randint(0, V, (2, 30))
     split = torch.tensor([20, 12])
-    comp = XKVCompressor(XKVConfig(rank_mode="ratio", ratio=8.0))
+    comp = XKVCompressor(XKVConfig(rank_mode="reduction", reduction=8.0))
     comp.set_rate_scale(0.0)
     with torch.no_grad():
         out = model(ids, split=split, compressor=comp)
         plain = model(ids).logits
     torch.testing.assert_close(out.logits, plain, atol=1e-5, rtol=1e-5)
-    assert all(float(s["kv_bytes_ratio"]) == 1.0 for s in out.compression)
-    cfg = XKVConfig(rank_mode="ratio", ratio=8.0)
+    assert all(float(s["kv_reduction"]) == 1.0 for s in out.compression_stats)
+    cfg = XKVConfig(rank_mode="reduction", reduction=8.0)
     rows = torch.tensor([100])
     half = select_rank(cfg, torch.ones(1, 64), 64, rows, rows, scale=0.5)
     assert int(half) == int(100 * 64 / (4.5 * 164))
@@ -449,7 +453,8 @@ def test_rate_scale_zero_is_the_identity_and_scales_the_rank() -> None:
         (dict(group_size=0), "group_size=0"),
         (dict(rank_fraction=0.0), r"rank_fraction=0.0 is out of range; allowed \(0.0, 1.0\]"),
         (dict(energy=1.5), "energy=1.5"),
-        (dict(ratio=0.5), r"ratio=0.5 is out of range; allowed \[1.0, 64.0\]"),
+        (dict(reduction=0.5), r"reduction=0.5 is out of range; allowed \[1.0, 64.0\]"),
+        (dict(rank_mode="ratio"), "rank_mode='ratio' was renamed to 'reduction'"),
         (dict(rank_mode="svd"), "rank_mode='svd' is not allowed"),
         (dict(gradient="none"), "gradient='none'"),
         (dict(refresh_every=0), "refresh_every=0"),
@@ -467,8 +472,8 @@ def test_train_config_methods() -> None:
     comp = build_compressor(cc)
     assert isinstance(comp, XKVCompressor) and comp.config is not cc.xkv
     both = build_compressor(CompressionTrainConfig(enabled=True, method="unicache+xkv"))
-    assert both.token.config.head_merge.enabled is False
-    assert not both.token.config.quantize.active
+    assert both.token_compressor.config.head_merge.enabled is False
+    assert not both.token_compressor.config.quantize.active
     with pytest.raises(ConfigError, match="gradient='causal' is not allowed with method"):
         CompressionTrainConfig(method="unicache+xkv", xkv={"gradient": "causal"})
     with pytest.raises(ConfigError, match="unknown field"):
@@ -498,7 +503,7 @@ def test_evaluation_rows_at_equal_kv_bytes(tmp_path) -> None:
     model = tiny(vocab_size=260, num_hidden_layers=2)
     opts = CompressionEvalConfig(
         rates=[],
-        xkv_ratios=[4.0, 8.0],
+        xkv_reductions=[4.0, 8.0],
         xkv={"group_size": 2},
         xkv_token_rate=0.5,
         quantize="int8",
@@ -511,12 +516,13 @@ def test_evaluation_rows_at_equal_kv_bytes(tmp_path) -> None:
     assert labels[0] == "uncompressed" and labels[1] == "xkv 4x g2"
     assert labels[2] == "unicache 0.5 + xkv 4x g2" and labels[3].startswith("unicache @4x rate=")
     by = {r["label"]: r for r in rows}
-    for ratio in (4, 8):
-        x = by[f"xkv {ratio}x g2"]
-        u = next(r for r in rows if r["label"].startswith(f"unicache @{ratio}x"))
+    for red in (4, 8):
+        x = by[f"xkv {red}x g2"]
+        u = next(r for r in rows if r["label"].startswith(f"unicache @{red}x"))
         # Measured on the real decoding caches of the recall prompts: factors / packed int8.
-        assert 0.6 / ratio < x["kv_bytes_ratio"] <= 1.0 / ratio
-        assert u["kv_bytes_ratio"] <= 1.15 / ratio and u["method"] == "unicache"
+        assert red <= x["kv_reduction"] < red / 0.6
+        assert u["kv_reduction"] >= red / 1.15 and u["method"] == "unicache"
+        assert x["target_reduction"] == red
         assert x["method"] == "xkv" and math.isnan(x["rate"]) and x["output_kl"] > 0
         assert not math.isnan(x["attn_kl"]) and 0 <= x["recall_acc"] <= 1
     assert "xkv 8x g2" in format_table(rows)
@@ -587,7 +593,7 @@ def test_alignment_of_an_imported_hf_model(tmp_path) -> None:
     # A random residual network: neighbouring layers read nearly the same residual stream, so
     # their token subspaces overlap far above chance (the xKV premise, trivially here).
     assert float(res.overlap_k[0, 1]) > 2 * res.random_overlap
-    comp = XKVCompressor(XKVConfig(group_size=3, rank_mode="ratio", ratio=4.0))
+    comp = XKVCompressor(XKVConfig(group_size=3, rank_mode="reduction", reduction=4.0))
     with torch.no_grad():
         out = model(ids, split=torch.tensor([30, 25]), compressor=comp)
     assert torch.isfinite(out.logits).all()
@@ -609,17 +615,17 @@ def _recipe():
 
 def test_recipe_config_and_options() -> None:
     recipe = _recipe()
-    xopts, ft = recipe.parse_args(["recipe.train_ratios=[8]", "recipe.num_recall=3"])
-    assert xopts.train_ratios == [8] and xopts.eval_ratios == [4.0, 8.0]
+    xopts, ft = recipe.parse_args(["recipe.train_reductions=[8]", "recipe.num_recall=3"])
+    assert xopts.train_reductions == [8] and xopts.eval_reductions == [4.0, 8.0]
     assert xopts.num_recall == 3
-    with pytest.raises(ConfigError, match="train_ratios"):
-        recipe.parse_args(["recipe.train_ratios=[0.5]"])
-    assert ft.compress.method == "xkv" and ft.compress.xkv.rank_mode == "ratio"
+    with pytest.raises(ConfigError, match="train_reductions"):
+        recipe.parse_args(["recipe.train_reductions=[0.5]"])
+    assert ft.compress.method == "xkv" and ft.compress.xkv.rank_mode == "reduction"
     sub = recipe.sub_config(ft, "unicache_8x", method="unicache", unicache={"target_rate": 0.8})
     assert sub.compress.method == "unicache" and sub.compress.unicache.target_rate == 0.8
     assert sub.compress.unicache.quantize.bits == 8 and sub.train.out_dir.endswith("unicache_8x")
-    sub = recipe.sub_config(ft, "xkv_8x", method="xkv", xkv={"ratio": 8.0})
-    assert sub.compress.xkv.ratio == 8.0 and sub.compress.xkv.group_size == 2
+    sub = recipe.sub_config(ft, "xkv_8x", method="xkv", xkv={"reduction": 8.0})
+    assert sub.compress.xkv.reduction == 8.0 and sub.compress.xkv.group_size == 2
 
 
 @pytest.mark.slow
@@ -632,9 +638,9 @@ def test_recipe_runs_from_scratch(tmp_path) -> None:
         "pretrain.train.max_steps=2", "pretrain.train.val_every_n_steps=2",
         "pretrain.train.limit_val_batches=1", "pretrain.data.synthetic.num_stories=40",
         "pretrain.data.synthetic.num_recall=40", "recipe.num_recall=2", "recipe.limit_batches=1",
-        "recipe.train_ratios=[4]",
+        "recipe.train_reductions=[4]",
     ])  # fmt: skip
-    assert [(r["ratio"], r["method"]) for r in rows] == [
+    assert [(r["target_reduction"], r["method"]) for r in rows] == [
         (4.0, "xkv"), (4.0, "unicache"), (8.0, "xkv"), (8.0, "unicache")
     ]
     assert not math.isnan(rows[0]["ppl_ft_compressed"]) and math.isnan(rows[2]["ppl_ft_compressed"])
@@ -644,9 +650,9 @@ def test_recipe_runs_from_scratch(tmp_path) -> None:
 def test_export_policy_names_the_xkv_setting() -> None:
     from unicache_train.checkpoint.export import compression_policy_of
 
-    xkv = {"ratio": 8.0, "rank_mode": "ratio"}
+    xkv = {"reduction": 8.0, "rank_mode": "reduction"}
     cfg = RunConfig(compress=CompressionTrainConfig(enabled=True, method="xkv", xkv=xkv))
     policy = compression_policy_of(cfg)
-    assert policy["method"] == "xkv" and policy["xkv"]["ratio"] == 8.0
+    assert policy["method"] == "xkv" and policy["xkv"]["reduction"] == 8.0
     plain = RunConfig(compress=CompressionTrainConfig(enabled=True))
     assert "xkv" not in compression_policy_of(plain)

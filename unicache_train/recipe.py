@@ -402,10 +402,10 @@ def evaluate_stage(
 
     Args:
         config: the fine-tune config: its ``compress.unicache`` (rates default to its
-            ``target_rate``), ``compress.xkv`` (minus the per-row rank mode and ratio), split
+            ``target_rate``), ``compress.xkv`` (minus the per-row rank mode and reduction), split
             seed and minimal context, data and batch size.
         kw: other :class:`~unicache_train.eval.sweep.CompressionEvalConfig` fields
-            (``rates``, ``xkv_ratios``, ``match_unicache``).
+            (``rates``, ``xkv_reductions``, ``match_unicache``).
 
     Returns:
         The rows of :func:`~unicache_train.eval.sweep.evaluate_compression` (uncompressed
@@ -415,7 +415,7 @@ def evaluate_stage(
     from unicache_train.eval.sweep import CompressionEvalConfig, evaluate_compression
 
     uc = config.compress.unicache
-    per_row = ("rank_mode", "ratio")
+    per_row = ("rank_mode", "reduction")
     xkv = {k: v for k, v in config.compress.xkv.to_dict().items() if k not in per_row}
     kw.setdefault("rates", [uc.target_rate])
     eval_cfg = CompressionEvalConfig(

@@ -14,16 +14,23 @@ Shapes: ``B, H, T, D, M`` = batch, KV heads, tokens, head dim, entries kept in t
 Optional segment fields (all default to ``None``; attention ignores them) describe how the entries
 are *stored*: ``head_groups`` (KV heads that share one stored copy after head merging),
 ``assignment`` (which entry each input token went to), ``quant`` (the packed integer storage
-whose bytes ``kv_bytes`` counts) and ``lowrank`` (the low-rank factors of a cross-layer
-compressor, xKV, whose bytes ``kv_bytes`` counts instead of the reconstruction). The
+whose bytes :func:`stored_kv_bytes` counts) and ``lowrank`` (the low-rank factors of a
+cross-layer compressor, xKV, whose bytes it counts instead of the reconstruction). The
 ``keys``/``values`` a segment carries are always the attention view: ``[B, H_kv, M, D]``
 floating point, every member head of a group holding the group's K/V, quantized entries already
 dequantized (with a straight-through gradient) and low-rank ones reconstructed.
+
+KV byte accounting lives here too, one function family that every cache of the package calls
+(the compressors' stats, the decoding cache, xKV's factors, the model's uncompressed cache):
+:func:`uncompressed_kv_bytes`, :func:`stored_kv_bytes`, :func:`segment_kv_bytes`,
+:func:`pooled_kv_bytes`. Their words (docs/architecture.md#words): **rate** is the fraction of
+context tokens removed; **reduction** (``kv_reduction``) is uncompressed 16-bit bytes / stored
+bytes, ``4.0`` = 4x fewer KV bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -44,6 +51,12 @@ __all__ = [
     "unpack_int4",
     "dequantize",
     "find_cross_layer",
+    "kv_width",
+    "uncompressed_kv_bytes",
+    "stored_heads",
+    "stored_kv_bytes",
+    "segment_kv_bytes",
+    "pooled_kv_bytes",
     "MODALITY_NAMES",
     "NUM_MODALITIES",
 ]
@@ -241,7 +254,8 @@ class KVSegment:
         counts: [B, M] float, how many original tokens an entry stands for (1 for kept tokens);
             attention adds ``log(count)`` to the entry's logit, as token merging does.
         valid: [B, M] bool; invalid entries are padding and never attended.
-        stats: scalar diagnostics for logging (``keep_ratio``, ``kv_bytes_ratio``, ...).
+        stats: scalar diagnostics for logging (``rate_realized``, ``kv_bytes``,
+            ``kv_reduction``, ...).
         head_groups: [B, H_kv] long or None. Group id of each KV head after head merging (the
             id is the smallest head index of the group, so ``head_groups[b, g] == g`` marks the
             stored copy). Member heads carry identical K/V; storage counts one copy per group.
@@ -250,8 +264,8 @@ class KVSegment:
             merged into); -1 for evicted and non-context tokens.
         quant: packed storage when the segment was quantized, else None.
         lowrank: low-rank factors when a cross-layer compressor (xKV) emitted the segment; the
-            ``keys``/``values`` are then their reconstruction, and ``kv_bytes`` counts the
-            factors.
+            ``keys``/``values`` are then their reconstruction, and :func:`stored_kv_bytes`
+            counts the factors.
         identity: True only when ``keys``/``values`` are the layer's own K/V of all ``T`` input
             tokens untouched, ``valid`` is the context mask and every count is 1: attention over
             the segment then *is* causal attention over the sequence, and the seam takes the
@@ -436,3 +450,143 @@ def find_cross_layer(compressor: object) -> CrossLayerCompressor | None:
         compressor = getattr(compressor, "inner", None)
         seen += 1
     return None
+
+
+# --------------------------------------------------------------------------------- KV bytes
+def kv_width(key_dim: int, value_dim: int, latent: bool = False) -> int:
+    """Elements a token stores per KV head: ``D_k + D_v``, or ``D_k`` alone for MLA's latent
+    cache (keys ``[c_kv ‖ k_pe]``, values the keys' first ``D_v`` features, stored once)."""
+    return key_dim if latent else key_dim + value_dim
+
+
+def uncompressed_kv_bytes(
+    tokens: torch.Tensor | int,
+    heads: int,
+    key_dim: int,
+    value_dim: int,
+    *,
+    latent: bool = False,
+    dtype_bytes: int = 2,
+) -> torch.Tensor | int:
+    """Bytes of an uncompressed cache: ``tokens * heads * kv_width * dtype_bytes`` (16-bit by
+    default: the numerator of every ``kv_reduction``).
+
+    Args:
+        tokens: [B] tokens per sample (a tensor: float64 out) or an int (an int out).
+        heads: KV heads (1 for MLA's latent cache).
+        key_dim, value_dim: ``D_k``, ``D_v``.
+        latent: MLA's latent cache (see :func:`kv_width`).
+        dtype_bytes: bytes per element.
+    """
+    per_token = heads * kv_width(key_dim, value_dim, latent) * dtype_bytes
+    if isinstance(tokens, torch.Tensor):
+        return tokens.double() * per_token
+    return tokens * per_token
+
+
+def stored_heads(head_groups: torch.Tensor) -> torch.Tensor:
+    """[B, H] group id per KV head (the smallest member's index) -> [B] long, the heads
+    stored (one copy per group)."""
+    H = head_groups.shape[1]
+    return (head_groups == torch.arange(H, device=head_groups.device)).sum(1)
+
+
+def stored_kv_bytes(
+    valid: torch.Tensor,
+    heads: torch.Tensor,
+    key_dim: int,
+    value_dim: int,
+    *,
+    quant: QuantizedKV | None = None,
+    lowrank: LowRankKV | None = None,
+    latent: bool = False,
+    dtype_bytes: int = 2,
+) -> torch.Tensor:
+    """Stored bytes of one layer's (compressed) context per sample, K then V.
+
+    * low-rank factors (xKV): the factors, not their reconstruction (:meth:`LowRankKV.nbytes`);
+    * packed integers: valid entries x stored heads x (payload at its element size + one scale
+      per vector), or with ``granularity="head"`` one scale per stored head and sample;
+    * floating: valid entries x stored heads x ``D`` x ``dtype_bytes`` (the deployed cache
+      dtype, not the fp32 of a CPU run).
+
+    Per-entry metadata (merge counts, positions) is not counted here: one scalar per entry
+    against ``2 * H_kv * D`` payload values (:class:`~unicache_train.model.compressed_cache.
+    StoredSegment` adds what a decoding cache must keep).
+
+    Args:
+        valid: [B, M] bool, the entries.
+        heads: [B] stored KV heads per sample (:func:`stored_heads` after head merging).
+        key_dim, value_dim: ``D_k``, ``D_v`` of the floating K/V.
+        quant: the packed storage, if quantized.
+        lowrank: the low-rank factors, if any (they carry their own widths).
+        latent: the values are the keys' first ``D_v`` features and are not stored again (MLA's
+            untouched latent cache); K and V changed apart are both stored.
+        dtype_bytes: bytes per floating element.
+
+    Returns:
+        [B] float64.
+    """
+    if lowrank is not None:
+        return lowrank.nbytes(valid, dtype_bytes)
+    n = valid.sum(1).double()  # [B]
+    g = heads.double()
+    if quant is None:
+        return g * n * kv_width(key_dim, value_dim, latent) * dtype_bytes
+    total = torch.zeros_like(n)
+    pairs = [(quant.k_data, quant.k_scale)]
+    if not latent:
+        pairs.append((quant.v_data, quant.v_scale))
+    for data, scale in pairs:
+        payload = data.shape[-1] * data.element_size()  # bytes per stored vector
+        if quant.granularity == "token_head":
+            total = total + g * n * (payload + scale.element_size())
+        else:
+            total = total + g * n * payload + g * scale.element_size() * (n > 0)
+    return total
+
+
+def segment_kv_bytes(
+    segment: KVSegment, dtype_bytes: int = 2, *, latent: bool = False
+) -> torch.Tensor:
+    """:func:`stored_kv_bytes` of a seam segment (one copy per head group).
+
+    Returns:
+        [B] float64.
+    """
+    B, H = segment.keys.shape[:2]
+    if segment.head_groups is not None:
+        heads = stored_heads(segment.head_groups)
+    else:
+        heads = torch.full((B,), H, device=segment.valid.device)
+    return stored_kv_bytes(
+        segment.valid, heads, segment.keys.shape[-1], segment.values.shape[-1],
+        quant=segment.quant, lowrank=segment.lowrank, latent=latent, dtype_bytes=dtype_bytes,
+    )  # fmt: skip
+
+
+def pooled_kv_bytes(
+    per_layer: Iterable[Mapping[str, torch.Tensor | float]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored, uncompressed) bytes of one forward, summed over the layers whose stats report
+    ``kv_bytes`` (identity segments of a compressor without byte stats are skipped).
+
+    A forward's reduction is ``uncompressed / stored``, not the mean of the layers'
+    ``kv_reduction`` (a mean of ratios).
+
+    Args:
+        per_layer: one stats dict per layer (``DecoderOutput.compression_stats``), with
+            ``kv_bytes`` and ``kv_reduction`` per layer.
+
+    Returns:
+        Two 0-dim float64 tensors.
+    """
+    stored = uncompressed = torch.zeros((), dtype=torch.float64)
+    for st in per_layer:
+        if "kv_bytes" not in st:
+            continue
+        kv = torch.as_tensor(st["kv_bytes"]).detach().double()
+        reduction = torch.as_tensor(st["kv_reduction"]).detach().double()
+        stored = stored.to(kv.device) + kv
+        uncompressed = uncompressed.to(kv.device) + kv * reduction
+    return stored, uncompressed

@@ -159,8 +159,14 @@ class ConfigBase:
     A field annotated with another :class:`ConfigBase` dataclass is built from a nested mapping
     (``RunConfig.model`` from ``{"hidden_size": 64}``); a field whose annotation is a union
     (``dict | UniCacheConfig | None``) receives the value as is, for its ``__post_init__``.
-    Unknown keys are refused, naming the section: ``unknown field(s) ['hiden_size'] in model``.
+    Unknown keys are refused, naming the section: ``unknown field(s) ['hiden_size'] in model``;
+    a field named in :attr:`renamed_fields` is refused naming its new name.
     """
+
+    #: Fields renamed since an earlier release, old name -> new name: :meth:`from_dict` refuses
+    #: an old name in one line that gives the new one (``compress.xkv.ratio was renamed to
+    #: compress.xkv.reduction``), instead of listing every known field.
+    renamed_fields: ClassVar[dict[str, str]] = {}
 
     #: How error messages name this config as the root of :meth:`from_dict`: the class name by
     #: default (sections then read ``UniCacheConfig.head_merge``); ``""`` names the sections by
@@ -230,6 +236,13 @@ def build_config(cls: type[C], data: Any, where: str) -> C:
     if not isinstance(data, dict):
         raise ConfigError(f"{where or cls.__name__}: expected a mapping, got {data!r}")
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    renamed = getattr(cls, "renamed_fields", {})
+    for old in sorted(set(data) & set(renamed) - known):
+        at = f"{where}." if where else ""
+        raise ConfigError(
+            f"{at}{old} was renamed to {at}{renamed[old]} (docs/architecture.md#words); "
+            "rename the field"
+        )
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(

@@ -32,8 +32,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from unicache_train.compress.common import grouped_rank, modality_counts
 from unicache_train.compress.config import BudgetConfig
+from unicache_train.compress.grouped import grouped_rank
+from unicache_train.compress.modality import modality_counts
 from unicache_train.compress.state import CompressionState
 from unicache_train.seam import NUM_MODALITIES
 

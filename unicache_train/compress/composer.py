@@ -17,13 +17,13 @@ no head merging and no token removal, the input K/V tensors themselves are retur
 in-loop forward is bit-for-bit the plain forward. An active quantizer (bits 4/8) still
 runs then: rate 0 with int8 keeps every entry but stores it in int8.
 
-Stats on every segment (scalars, no gradient): ``keep_ratio`` (entries / context tokens) and
-``keep_ratio/<modality>`` for the modalities present, ``kv_bytes`` (stored bytes of the batch for
-this layer, including scales and head sharing), ``kv_bytes_ratio`` (vs the 16-bit uncompressed
-context cache), ``merged_fraction`` and ``evicted_fraction`` (of context tokens),
+Stats on every segment (scalars, no gradient; the words are docs/architecture.md#words):
+``rate_realized`` (context tokens removed, merged or evicted, / context tokens) and
+``rate_realized/<modality>`` for the modalities present, ``kv_bytes`` (stored bytes of the batch
+for this layer, including scales and head sharing), ``kv_reduction`` (uncompressed 16-bit bytes
+/ ``kv_bytes``), ``merged_fraction`` and ``evicted_fraction`` (of context tokens),
 ``heads_merged`` (KV heads merged away, mean over samples), ``protected_fraction``,
-``rate_target`` (mean requested layer rate), ``rate_realized`` (context tokens removed, merged or
-evicted, / context tokens: ``1 - keep_ratio``), ``budget_shortfall`` (tokens the layer rate asked
+``rate_target`` (mean requested layer rate), ``budget_shortfall`` (tokens the layer rate asked
 for but were not removed, / context tokens: whatever withheld them, modality caps, protection or
 the rule that never empties a modality), ``budget_cap_withheld`` (the part of it the modality
 caps withheld, when the budget step ran) and ``complexity`` (when the fallback ran).
@@ -42,14 +42,14 @@ from dataclasses import dataclass, field
 import torch
 
 from unicache_train.compress.budget import ModalityBudget
-from unicache_train.compress.common import check_modalities
 from unicache_train.compress.config import MAX_RATE, UniCacheConfig
 from unicache_train.compress.fallback import DynamicFallback
-from unicache_train.compress.head_merge import HeadMerge, num_groups
+from unicache_train.compress.head_merge import HeadMerge
 from unicache_train.compress.importance import Importance
 from unicache_train.compress.merge_evict import MergeEvict
+from unicache_train.compress.modality import check_modalities
 from unicache_train.compress.protect import AlignmentProtect
-from unicache_train.compress.quantize import Quantize, baseline_kv_bytes, segment_kv_bytes
+from unicache_train.compress.quantize import Quantize
 from unicache_train.compress.schedule import LayerSchedule
 from unicache_train.compress.state import CompressionState, CompressionStep
 from unicache_train.seam import (
@@ -58,6 +58,9 @@ from unicache_train.seam import (
     IdentityCompressor,
     KVCompressor,
     KVSegment,
+    segment_kv_bytes,
+    stored_heads,
+    uncompressed_kv_bytes,
 )
 
 __all__ = [
@@ -314,19 +317,29 @@ def segment_stats(state: CompressionState, cache_dtype_bytes: int = 2) -> dict[s
     n_ctx = ctx.sum().double().clamp_min(1.0)
     valid = seg.valid
     counts = torch.where(valid, seg.counts.double(), 0.0)
-    stats: dict[str, torch.Tensor] = {"keep_ratio": valid.sum() / n_ctx}
+    n_b = ctx.sum(1).double()  # [B] context tokens per sample
+    removed = n_b - valid.sum(1).double()  # [B] merged or evicted
+    stats: dict[str, torch.Tensor] = {"rate_realized": removed.sum() / n_ctx}
     for m, name in enumerate(MODALITY_NAMES):
         n_m = (ctx & (inp.modality_ids == m)).sum()
         if int(n_m) > 0:
-            stats[f"keep_ratio/{name}"] = (valid & (seg.modality_ids == m)).sum() / n_m.double()
-    kv = segment_kv_bytes(seg, cache_dtype_bytes).sum()
-    base = baseline_kv_bytes(inp, cache_dtype_bytes).sum()
+            kept_m = (valid & (seg.modality_ids == m)).sum()
+            stats[f"rate_realized/{name}"] = 1.0 - kept_m / n_m.double()
+    # MLA: the uncompressed cache holds the latent [c_kv ‖ k_pe] once, and so does a segment
+    # whose values are still the keys' first features (the identity); merged or quantized apart,
+    # K and V are both stored (model/mla.py).
+    # TODO(issue 18, MLA bytes): keep V = K[..., :R] through merging and quantization of a latent
+    # input, so that a compressed latent segment is stored (and counted) once too.
+    kv = segment_kv_bytes(seg, cache_dtype_bytes, latent=inp.latent and seg.identity).sum()
+    H, dk, dv = inp.keys.shape[1], inp.keys.shape[-1], inp.values.shape[-1]
+    base = uncompressed_kv_bytes(
+        n_b, H, dk, dv, latent=inp.latent, dtype_bytes=cache_dtype_bytes
+    ).sum()
     stats["kv_bytes"] = kv
-    stats["kv_bytes_ratio"] = kv / base.clamp_min(1.0)
+    stats["kv_reduction"] = base / kv.clamp_min(1.0)
     stats["merged_fraction"] = (counts - valid.double()).sum() / n_ctx
     stats["evicted_fraction"] = (n_ctx - counts.sum()).clamp_min(0.0) / n_ctx
-    H = inp.keys.shape[1]
-    heads = num_groups(seg.head_groups).double() if seg.head_groups is not None else None
+    heads = stored_heads(seg.head_groups).double() if seg.head_groups is not None else None
     stats["heads_merged"] = (
         (H - heads).mean() if heads is not None else torch.zeros((), dtype=torch.float64)
     )
@@ -336,9 +349,6 @@ def segment_stats(state: CompressionState, cache_dtype_bytes: int = 2) -> dict[s
     )
     rate = (state.layer_rate if state.layer_rate is not None else state.target).double()  # [B]
     stats["rate_target"] = rate.mean()
-    n_b = ctx.sum(1).double()  # [B] context tokens per sample
-    removed = n_b - valid.sum(1).double()  # [B] merged or evicted
-    stats["rate_realized"] = removed.sum() / n_ctx
     # Against the REQUESTED rate: what caps, protection and the never-empty rule withheld.
     asked = torch.floor(rate * n_b + 0.5)  # [B] tokens, rounded as the plan rounds its quotas
     stats["budget_shortfall"] = (asked - removed).clamp_min(0.0).sum() / n_ctx

@@ -11,14 +11,16 @@ Rate convention (UniCache article §4.3, §5.2, §5.3, §7.2): a **compression r
 context tokens *removed* (evicted or merged away): 0 keeps everything, 0.75 keeps a quarter. The
 article's "shallow 75% / deep 45%" (deep layers are protected), "visual cap 80% / text cap 40%"
 (caps stop a modality from being crushed), "alignment tokens: others 60%, they only 30%" and "higher
-complexity -> lower rate" are all consistent only with this reading.
+complexity -> lower rate" are all consistent only with this reading. Bytes are compared as a
+**reduction**, uncompressed 16-bit bytes / stored bytes (``XKVConfig.reduction``, the
+``kv_reduction`` stat); docs/architecture.md#words.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from unicache_train.validation import (
     ConfigBase,
@@ -223,7 +225,7 @@ class ProtectConfig(ConfigBase):
     """Alignment protection (UniCache article §5.3).
 
     A context token is an *alignment token* when its cross-modal attention share exceeds
-    ``threshold`` (see :func:`unicache_train.compress.common.window_stats`). Alignment tokens
+    ``threshold`` (see :func:`unicache_train.compress.window.window_stats`). Alignment tokens
     of a modality are compressed at ``discount`` times the modality's rate, and never evicted:
     if removed at all they are merged into a similar kept neighbour.
 
@@ -358,7 +360,7 @@ class UniCacheConfig(ConfigBase):
             token compression at all, the context K/V pass through bit-for-bit; only an active
             quantizer (bits 4/8) still applies, so rate 0 with int8 is "lossless structure,
             int8 values", not the identity.
-        cache_dtype_bytes: bytes per element of the uncompressed cache the byte ratio compares
+        cache_dtype_bytes: bytes per element of the uncompressed cache ``kv_reduction`` compares
             against (2: fp16/bf16), also used for unquantized segments.
     """
 
@@ -401,13 +403,14 @@ class XKVConfig(ConfigBase):
             the depth is not a multiple.
         rank_mode: how the rank is chosen: ``"fraction"`` (``rank_fraction`` of the concatenated
             width: xKV's knob), ``"energy"`` (smallest rank keeping ``energy`` of the squared
-            singular values, per sample) or ``"ratio"`` (largest rank whose stored factors,
-            token-side and per-layer, take at most ``1 / ratio`` of the uncompressed 16-bit
+            singular values, per sample) or ``"reduction"`` (largest rank whose stored factors,
+            token-side and per-layer, take at most ``1 / reduction`` of the uncompressed 16-bit
             context cache, per sample: the knob to compare methods at equal KV bytes).
         rank_fraction: for ``"fraction"``, in (0, 1]; the source recommends 0.125-0.25 (8x-4x on
             long contexts, where the per-layer factors are negligible).
         energy: for ``"energy"``, in (0, 1].
-        ratio: for ``"ratio"``, the KV-bytes reduction in [1, 64], counting the factors.
+        reduction: for ``"reduction"``, uncompressed 16-bit bytes / stored bytes in [1, 64]
+            (``4.0``: 4x fewer KV bytes), counting both factors.
         min_rank: smallest rank kept (>= 1).
         refresh_every: 1: every sample of every forward gets its own SVD (xKV; always so at
             inference). k > 1, training only: the feature-side basis of each group is computed
@@ -430,19 +433,26 @@ class XKVConfig(ConfigBase):
     rank_mode: str = "fraction"
     rank_fraction: float = 0.25
     energy: float = 0.95
-    ratio: float = 4.0
+    reduction: float = 4.0
     min_rank: int = 1
     refresh_every: int = 1
     keys_pre_rope: bool = True
     gradient: str = "exact"
     cache_dtype_bytes: int = 2
 
+    renamed_fields: ClassVar[dict[str, str]] = {"ratio": "reduction"}
+
     def __post_init__(self) -> None:
         check_int(self, "group_size", 1, 4)
-        check_choice(self, "rank_mode", ("fraction", "energy", "ratio"))
+        if self.rank_mode == "ratio":
+            raise ConfigError(
+                "XKVConfig.rank_mode='ratio' was renamed to 'reduction' "
+                "(docs/architecture.md#words); choose one of ['fraction', 'energy', 'reduction']"
+            )
+        check_choice(self, "rank_mode", ("fraction", "energy", "reduction"))
         check_range(self, "rank_fraction", 0.0, 1.0, lo_open=True)
         check_range(self, "energy", 0.0, 1.0, lo_open=True)
-        check_range(self, "ratio", 1.0, 64.0)
+        check_range(self, "reduction", 1.0, 64.0)
         check_int(self, "min_rank", 1, 1 << 16)
         check_int(self, "refresh_every", 1, 1 << 20)
         check_bool(self, "keys_pre_rope")

@@ -23,9 +23,9 @@ from typing import ClassVar
 
 import torch
 
-from unicache_train.compress.common import window_stats
 from unicache_train.compress.config import FallbackConfig
 from unicache_train.compress.state import CompressionState
+from unicache_train.compress.window import window_stats
 from unicache_train.seam import CompressionInput
 
 __all__ = ["DynamicFallback", "complexity", "fallback_rate"]

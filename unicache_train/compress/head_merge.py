@@ -20,8 +20,9 @@ Definitions (per sample, over its context tokens only):
 
 The attention view keeps ``[B, H, T, D]``: every member head receives the group's K/V, so the
 GQA query->KV head map stays valid, and ``head_groups`` tells storage (``compact_heads``) and
-byte accounting that a group is stored once. ``query_head_groups`` gives the query-head -> stored
-slot map for a compact cache; the tests check both views attend identically.
+byte accounting (:func:`unicache_train.seam.stored_heads`) that a group is stored once.
+``query_head_groups`` gives the query-head -> stored slot map for a compact cache; the tests
+check both views attend identically.
 
 Shape legend: B, H, Hq, G, T, D = batch, KV heads, query heads, groups, tokens, head dim.
 """
@@ -35,6 +36,7 @@ import torch
 
 from unicache_train.compress.config import HeadMergeConfig
 from unicache_train.compress.state import CompressionState
+from unicache_train.seam import stored_heads
 
 __all__ = [
     "HeadMerge",
@@ -43,7 +45,6 @@ __all__ = [
     "merge_heads",
     "compact_heads",
     "query_head_groups",
-    "num_groups",
 ]
 
 
@@ -133,12 +134,6 @@ def merge_heads(
     return merge(keys), merge(values)
 
 
-def num_groups(groups: torch.Tensor) -> torch.Tensor:
-    """[B, H] -> [B] number of stored heads per sample."""
-    H = groups.shape[1]
-    return (groups == torch.arange(H, device=groups.device)).sum(1)
-
-
 def compact_heads(x: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Storage view: one copy per group.
 
@@ -193,7 +188,7 @@ class HeadMerge(HeadMergeConfig):
         sim = head_similarity(state.keys, state.values, state.context_mask, self.similarity)
         groups = cluster_heads(sim, thr)
         state.head_groups = groups
-        if bool((num_groups(groups) < H).any()):
+        if bool((stored_heads(groups) < H).any()):
             state.keys, state.values = merge_heads(state.keys, state.values, groups)
             # NOTE: structural change: every K/V statistic must be recomputed downstream.
             state.invalidate()

@@ -4,7 +4,7 @@ Signals, per context token of a sample (all in [0, 1], no gradients: they drive 
 selection):
 
 * a, attention: attention received from the observation window (the last W context queries,
-  head-averaged, see :func:`~unicache_train.compress.common.window_stats`), normalized
+  head-averaged, see :func:`~unicache_train.compress.window.window_stats`), normalized
   **within each modality** as a percentile rank (``rank / (n_m - 1)``; a lone token gets 1).
   Ranks are robust to attention sinks, which would squash a min-max scale to one token.
   UniCache article §2.3: a visual token's attention is diluted by the number of visual tokens, so
@@ -30,8 +30,8 @@ from typing import ClassVar
 
 import torch
 
-from unicache_train.compress.common import grouped_minmax, grouped_rank
 from unicache_train.compress.config import ImportanceConfig
+from unicache_train.compress.grouped import grouped_minmax, grouped_rank
 from unicache_train.compress.state import CompressionState
 from unicache_train.seam import NUM_MODALITIES
 

@@ -55,8 +55,10 @@ from typing import ClassVar
 
 import torch
 
-from unicache_train.compress.common import NeighbourSims, grouped_rank, modality_counts
 from unicache_train.compress.config import MERGE_RESCALE_RULES, MergeEvictConfig
+from unicache_train.compress.grouped import grouped_rank
+from unicache_train.compress.modality import modality_counts
+from unicache_train.compress.neighbours import NeighbourSims
 from unicache_train.compress.state import CompressionState
 from unicache_train.seam import NUM_MODALITIES, KVSegment
 

@@ -2,7 +2,7 @@
 
 Alignment tokens are the text tokens that point at an image region and the patches that text
 tokens look at. They are found from cross-modal attention: a context token is protected when
-its cross-modal attention share (see :class:`~unicache_train.compress.common.WindowStats`:
+its cross-modal attention share (see :class:`~unicache_train.compress.window.WindowStats`:
 the larger of the share of its own attention that goes to other modalities and the mean
 attention it receives from each other-modality query of the observation window) *exceeds*
 ``threshold`` (0.30).

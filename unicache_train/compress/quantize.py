@@ -1,5 +1,4 @@
-"""Symmetric per-head quantization of the compressed segment, and KV byte accounting (UniCache
-article §6.3, §9 pitfall 3).
+"""Symmetric per-head quantization of the compressed segment (UniCache article §6.3, §9 pitfall 3).
 
 Quantization runs last, after token compression (quantization noise would otherwise disturb the
 importance estimates). ``x ~= q * scale`` with ``scale = max|x| / qmax``, ``qmax = 127`` (int8)
@@ -15,14 +14,9 @@ Never a global scale: the source's pitfall is exactly one head's range flattenin
 Scales are stored (and applied) in ``scale_dtype`` (fp16 by default). In the training loop the
 dequantized values pass gradients straight through (STE: the forward sees ``q * scale`` exactly,
 the backward is the identity). Storage: int8 tensors, or int4 packed two per byte (low nibble
-first, :func:`unicache_train.seam.pack_int4`); :func:`segment_kv_bytes` counts those bytes plus
-the scales, one copy per head group.
-
-Byte baseline (``kv_bytes_ratio``): the uncompressed context cache in 16-bit
-(``cache_dtype_bytes = 2``): ``H_kv * L_ctx * (D_k + D_v) * 2`` bytes per sample and layer
-(``2 * H_kv * L_ctx * D * 2`` for GQA). Unquantized segments count ``cache_dtype_bytes`` too.
-Per-entry metadata (merge counts, positions) is not counted: one scalar per entry against
-``2 * H_kv * D`` payload values.
+first, :func:`unicache_train.seam.pack_int4`); :func:`unicache_train.seam.stored_kv_bytes`
+counts those bytes plus the scales, one copy per head group, against the uncompressed 16-bit
+cache (:func:`unicache_train.seam.uncompressed_kv_bytes`) in the ``kv_reduction`` stat.
 
 Shape legend: B, H, M, D = batch, KV heads, segment entries, head dim.
 """
@@ -35,16 +29,10 @@ from typing import ClassVar
 import torch
 
 from unicache_train.compress.config import QuantizeConfig
-from unicache_train.compress.head_merge import num_groups
 from unicache_train.compress.state import CompressionState
-from unicache_train.seam import CompressionInput, KVSegment, QuantizedKV, pack_int4
+from unicache_train.seam import QuantizedKV, pack_int4
 
-__all__ = [
-    "Quantize",
-    "quantize_symmetric",
-    "segment_kv_bytes",
-    "baseline_kv_bytes",
-]
+__all__ = ["Quantize", "quantize_symmetric"]
 
 _DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
@@ -90,44 +78,6 @@ def quantize_symmetric(
     # STE: the forward value is exactly `deq`, the gradient w.r.t. x is the identity.
     x_q = deq + (x - x.detach())
     return x_q, q.to(torch.int8), scale
-
-
-def segment_kv_bytes(segment: KVSegment, cache_dtype_bytes: int = 2) -> torch.Tensor:
-    """Storage bytes of a segment per sample: valid entries x stored heads x (payload + scales),
-    for K and for V.
-
-    Returns:
-        [B] float64.
-    """
-    H = segment.keys.shape[1]
-    n = segment.valid.sum(1).double()  # [B]
-    G = (
-        num_groups(segment.head_groups).double()
-        if segment.head_groups is not None
-        else torch.full_like(n, H)
-    )
-    q = segment.quant
-    if q is None:
-        width = segment.keys.shape[-1] + segment.values.shape[-1]
-        return G * n * width * cache_dtype_bytes
-    total = torch.zeros_like(n)
-    for data, scale in ((q.k_data, q.k_scale), (q.v_data, q.v_scale)):
-        payload = data.shape[-1] * data.element_size()  # bytes per stored vector
-        if q.granularity == "token_head":
-            total = total + G * n * (payload + scale.element_size())
-        else:
-            total = total + G * n * payload + G * scale.element_size() * (n > 0)
-    return total
-
-
-def baseline_kv_bytes(inp: CompressionInput, cache_dtype_bytes: int = 2) -> torch.Tensor:
-    """Uncompressed 16-bit context cache bytes per sample: ``H_kv * L * (D_k + D_v) * bytes``.
-
-    Returns:
-        [B] float64.
-    """
-    H, width = inp.keys.shape[1], inp.keys.shape[-1] + inp.values.shape[-1]
-    return float(H * width * cache_dtype_bytes) * inp.context_mask.sum(1).double()
 
 
 @dataclass

@@ -18,13 +18,12 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from unicache_train.compress.common import (
+from unicache_train.compress.neighbours import (
     NeighbourSims,
-    WindowStats,
     neighbour_offsets,
     neighbour_similarity,
-    window_stats,
 )
+from unicache_train.compress.window import WindowStats, window_stats
 from unicache_train.seam import CompressionInput, KVSegment, identity_segment
 
 __all__ = ["CompressionState", "CompressionStep"]

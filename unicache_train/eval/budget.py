@@ -1,23 +1,25 @@
 """Compressor settings at a given KV-bytes reduction, calibrated on the real cache.
 
-Reductions are always ``uncompressed 16-bit bytes / stored bytes`` (``4.0`` = 4x fewer KV
-bytes), summed from the compressor's per-layer stats on a calibration batch (packed payload and
-quantization scales; :meth:`~unicache_train.compress.inference.CompressedKVCache.kv_bytes`, which
-the recall task reports, also counts the positions and counts of each entry), never derived
-from a nominal rate.
+A reduction is always ``uncompressed 16-bit bytes / stored bytes`` (``4.0`` = 4x fewer KV
+bytes; docs/architecture.md#words), summed from the compressor's per-layer stats on a
+calibration batch (packed payload and quantization scales,
+:func:`unicache_train.seam.pooled_kv_bytes`;
+:meth:`~unicache_train.model.compressed_cache.CompressedKVCache.kv_bytes`, which the recall task
+reports, also counts the merge counts and head maps a decoding cache keeps), never derived from
+a nominal rate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from unicache_train.compress.config import MAX_RATE
+from unicache_train.seam import pooled_kv_bytes
 
 __all__ = [
-    "stats_bytes",
     "measured_reduction",
     "rate_for_reduction",
     "unicache_at_rate",
@@ -61,20 +63,6 @@ def text_unicache(rate: float, pool: int = 0, quantize: str = "int8") -> Any:
     return UniCacheConfig.from_dict(d)
 
 
-def stats_bytes(per_layer: Sequence[dict[str, torch.Tensor]]) -> tuple[float, float]:
-    """(stored KV bytes, uncompressed 16-bit bytes) of one compressed forward, from the
-    compressor's per-layer stats (``kv_bytes`` over ``kv_bytes_ratio``); layers that report no
-    bytes (identity segments) are skipped."""
-    kv = base = 0.0
-    for st in per_layer:
-        if "kv_bytes" not in st:
-            continue
-        k, r = float(st["kv_bytes"]), float(st["kv_bytes_ratio"])
-        kv += k
-        base += k / r if r > 0 else 0.0
-    return kv, base
-
-
 @torch.no_grad()
 def measured_reduction(
     model,
@@ -92,10 +80,10 @@ def measured_reduction(
     out = model(  # logits unused: only the compressor's byte stats are read
         ids, modality_ids=modality_ids, split=split, compressor=compressor, logits_at=last
     )
-    kv, base = stats_bytes(out.compression or [])
+    kv, base = pooled_kv_bytes(out.compression_stats)
     if kv <= 0:
         raise ValueError(f"{compressor!r} reported no stored bytes")
-    return base / kv
+    return float(base / kv)
 
 
 @torch.no_grad()

@@ -53,7 +53,7 @@ class RecallResult:
         return binomial_stderr(self.hits, self.n) if self.n else float("nan")
 
     @property
-    def bytes_reduction(self) -> float:
+    def kv_reduction(self) -> float:
         """Uncompressed 16-bit bytes / stored bytes (``4.0`` = 4x fewer KV bytes)."""
         return self.baseline_bytes / self.kv_bytes if self.kv_bytes else float("nan")
 

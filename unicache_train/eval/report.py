@@ -107,19 +107,22 @@ def _csv_cell(value: Any, float_digits: int | None) -> Any:
 
 # --------------------------------------------------------------------------------- the sweep
 #: ``rate``: the requested target rate; ``rate_realized``: the fraction of context tokens really
-#: removed (``1 - keep_ratio``, mean over layers); ``budget_shortfall``: ``rate - rate_realized``
-#: when positive (what modality caps, protection or the layer schedule withheld). The checks
-#: read ``True``, ``False`` or ``None`` (n/a: not measurable, written ``n/a``).
+#: removed (mean over layers); ``budget_shortfall``: ``rate - rate_realized`` when positive (what
+#: modality caps, protection or the layer schedule withheld); ``kv_reduction``: uncompressed
+#: 16-bit bytes / stored bytes, measured; ``target_reduction``: the reduction a setting was set up
+#: for (NaN for a plain rate). The checks read ``True``, ``False`` or ``None`` (n/a: not
+#: measurable, written ``n/a``). Words: docs/architecture.md#words.
 CSV_COLUMNS = (
     "label", "rate", "rate_realized", "budget_shortfall", "bits", "ppl", "ppl_uncompressed",
     "ppl_delta", "recall_acc", "recall_acc_uncompressed", "recall_acc_delta", "attn_kl",
-    "output_kl", "kv_bytes_ratio", "keep_ratio", "kl_ok", "ppl_ok", "acc_ok", "pass", "method",
+    "output_kl", "kv_reduction", "target_reduction", "kl_ok", "ppl_ok", "acc_ok", "pass",
+    "method",
 )  # fmt: skip
 
 #: The sweep's table columns: the ones a reader compares.
 TABLE_COLUMNS = (
     "label", "rate", "rate_realized", "budget_shortfall", "ppl", "ppl_delta", "recall_acc",
-    "attn_kl", "output_kl", "keep_ratio", "kv_bytes_ratio", "kl_ok", "ppl_ok", "acc_ok", "pass",
+    "attn_kl", "output_kl", "kv_reduction", "kl_ok", "ppl_ok", "acc_ok", "pass",
 )  # fmt: skip
 
 
@@ -157,8 +160,7 @@ def log_rows(rows: Sequence[dict[str, Any]], logger: Any) -> None:
             "compress/recall_acc_delta": row["recall_acc_delta"],
             "compress/attn_kl": row["attn_kl"],
             "compress/output_kl": row["output_kl"],
-            "compress/kv_bytes_ratio": row["kv_bytes_ratio"],
-            "compress/keep_ratio": row["keep_ratio"],
+            "compress/kv_reduction": row["kv_reduction"],
             "compress/rate_realized": row["rate_realized"],
             "compress/budget_shortfall": row["budget_shortfall"],
             "compress/pass": _check_value(row["pass"]),
@@ -190,10 +192,10 @@ def plot_sweep(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
         if base is not None and not math.isnan(base[key]):
             ax.axhline(base[key], ls="--", color="gray", label="uncompressed")
         for r in comp:
-            ratio = r["kv_bytes_ratio"]
-            if not math.isnan(r[key]) and not math.isnan(ratio) and ratio > 0:
+            reduction = r["kv_reduction"]
+            if not math.isnan(r[key]) and not math.isnan(reduction):
                 ax.annotate(
-                    f"{1 / ratio:.1f}x",
+                    f"{reduction:.1f}x",
                     (r["rate"], r[key]),
                     textcoords="offset points",
                     xytext=(0, 6),
@@ -209,9 +211,9 @@ def plot_sweep(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
         methods = sorted({r.get("method", "unicache") for r in rows} - {"none"})
         for m in methods:
             pts = sorted(
-                (1 / r["kv_bytes_ratio"], r["ppl"])
+                (r["kv_reduction"], r["ppl"])
                 for r in rows
-                if r.get("method", "unicache") == m and r["kv_bytes_ratio"] > 0
+                if r.get("method", "unicache") == m and not math.isnan(r["kv_reduction"])
             )
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=m)
         if base is not None:

@@ -1,9 +1,10 @@
-"""Quality under KV compression across rates and xKV ratios: the ``evaluate --compression`` sweep.
+"""Quality under KV compression across rates and xKV reductions: the ``evaluate --compression``
+sweep.
 
 Shape legend: B, T = batch, tokens.
 
 :func:`evaluate_compression` measures, for a model and a list of settings (UniCache rates, xKV
-ratios; docs/architecture.md#quality-checks and #targets):
+reductions; docs/architecture.md#words, #quality-checks and #targets):
 
 * **perplexity on continuations**, uncompressed and compressed, on the same tokens: each eval
   sample is split (the data's split, e.g. a recall answer, else a seeded random one, as in
@@ -16,8 +17,9 @@ ratios; docs/architecture.md#quality-checks and #targets):
   (:mod:`unicache_train.eval.attn_kl`), mean over continuation queries, heads and layers.
 * **output KL** (``compress/output_kl``): ``KL(p_full || p_compressed)`` of the next-token
   distributions on continuation targets.
-* **KV bytes ratio**: bytes of the real compressed cache (packed int8/int4 + scales + merge
-  counts / head maps) over the uncompressed 16-bit cache of the same prompts, all layers.
+* **KV reduction** (``kv_reduction``): the uncompressed 16-bit cache of the same prompts over
+  the bytes of the real compressed cache (packed int8/int4 + scales + merge counts / head
+  maps), all layers; ``4.0`` = 4x fewer KV bytes.
 * **quality checks** (docs/architecture.md#quality-checks): ``kl_ok`` (attn KL < 0.1), ``ppl_ok``
   (perplexity at most +5%), ``acc_ok`` (recall accuracy at most 5 points lower), ``pass`` (all
   three). A check that cannot measure anything reads n/a (``None``): ``acc_ok`` when the
@@ -26,8 +28,9 @@ ratios; docs/architecture.md#quality-checks and #targets):
 * **realized rate** (``rate_realized``): the fraction of context tokens really removed, next to
   the requested ``rate``, and their gap ``budget_shortfall`` (modality caps, protection).
 
-Besides UniCache at each rate, ``xkv_ratios`` adds xKV rows (cross-layer SVD, rank chosen so the
-stored factors take ``1 / ratio`` of the 16-bit cache) and, with ``match_unicache``, a UniCache
+Besides UniCache at each rate, ``xkv_reductions`` adds xKV rows (cross-layer SVD, rank chosen so
+the stored factors take ``1 / reduction`` of the 16-bit cache) and, with ``match_unicache``, a
+UniCache
 row at the same KV bytes next to each (its target rate calibrated by bisection on the first
 batch, :func:`unicache_train.eval.budget.rate_for_reduction`), so the two methods compare at
 equal memory.
@@ -50,17 +53,17 @@ import torch
 
 from unicache_train.config import ConfigError, DataConfig
 from unicache_train.eval.attn_kl import AttentionInputs, layer_kls
-from unicache_train.eval.budget import (
-    measured_reduction,
-    rate_for_reduction,
-    stats_bytes,
-    unicache_at_rate,
-)
+from unicache_train.eval.budget import measured_reduction, rate_for_reduction, unicache_at_rate
 from unicache_train.eval.report import log_rows
 from unicache_train.eval.synthetic_recall import recall_accuracy, synthetic_recall_records
 from unicache_train.model import Decoder
 from unicache_train.model.loss import IGNORE_INDEX, masked_nll
-from unicache_train.seam import IdentityCompressor, KVCompressor, RecordingCompressor
+from unicache_train.seam import (
+    IdentityCompressor,
+    KVCompressor,
+    RecordingCompressor,
+    pooled_kv_bytes,
+)
 from unicache_train.train.compression import (
     compression_kl,
     continuation_mask,
@@ -105,14 +108,14 @@ class CompressionEvalConfig:
         min_context: smallest random split (as ``CompressionTrainConfig.min_context``).
         out_dir: where the CSV and the PNG go.
         name: file stem of the CSV and PNG.
-        xkv_ratios: KV-bytes reductions at which xKV is evaluated (e.g. ``[4, 8]``); empty:
-            no xKV rows. ``rates`` may then be empty.
+        xkv_reductions: KV reductions (uncompressed 16-bit bytes / stored bytes) at which xKV
+            is evaluated (e.g. ``[4, 8]``); empty: no xKV rows. ``rates`` may then be empty.
         xkv: :class:`~unicache_train.compress.config.XKVConfig` fields of those rows (e.g.
-            ``{"group_size": 4}``); ``rank_mode``/``ratio`` are set per row.
+            ``{"group_size": 4}``); ``rank_mode``/``reduction`` are set per row.
         xkv_token_rate: also evaluate UniCache token compression (at this rate, head merging
-            and quantization off) followed by xKV at each ratio (``unicache+xkv`` rows);
+            and quantization off) followed by xKV at each reduction (``unicache+xkv`` rows);
             None: not.
-        match_unicache: next to each xKV ratio, UniCache at the same KV bytes (rate
+        match_unicache: next to each xKV reduction, UniCache at the same KV bytes (rate
             calibrated by bisection on the first batch, quantization per ``quantize``).
     """
 
@@ -128,7 +131,7 @@ class CompressionEvalConfig:
     min_context: int = 16
     out_dir: str = "eval_compress"
     name: str = "compression_eval"
-    xkv_ratios: list[float] = field(default_factory=list)
+    xkv_reductions: list[float] = field(default_factory=list)
     xkv: dict[str, Any] = field(default_factory=dict)
     xkv_token_rate: float | None = None
     match_unicache: bool = True
@@ -137,26 +140,32 @@ class CompressionEvalConfig:
         from unicache_train.compress.config import MAX_RATE, XKVConfig
         from unicache_train.compress.presets import PRESETS
 
-        if not isinstance(self.xkv_ratios, (list, tuple)):
+        if not isinstance(self.xkv_reductions, (list, tuple)):
             raise ConfigError(
-                f"CompressionEvalConfig.xkv_ratios={self.xkv_ratios!r}: expected a list of "
-                "KV-bytes reductions in [1, 64]"
+                f"CompressionEvalConfig.xkv_reductions={self.xkv_reductions!r}: expected a list "
+                "of KV reductions in [1, 64]"
             )
-        for r in self.xkv_ratios:
-            XKVConfig(**{**self.xkv, "rank_mode": "ratio", "ratio": r})  # validates both
-        if not self.xkv_ratios:
+        for old in sorted(set(self.xkv) & set(XKVConfig.renamed_fields)):
+            new = XKVConfig.renamed_fields[old]
+            raise ConfigError(
+                f"CompressionEvalConfig.xkv.{old} was renamed to CompressionEvalConfig.xkv.{new} "
+                "(docs/architecture.md#words); rename the field"
+            )
+        for r in self.xkv_reductions:
+            XKVConfig(**{**self.xkv, "rank_mode": "reduction", "reduction": r})  # validates both
+        if not self.xkv_reductions:
             XKVConfig(**self.xkv)
-        self.xkv_ratios = [float(r) for r in self.xkv_ratios]
+        self.xkv_reductions = [float(r) for r in self.xkv_reductions]
         if self.xkv_token_rate is not None:
             check_range(self, "xkv_token_rate", 0.0, MAX_RATE)
         if not isinstance(self.match_unicache, bool):
             raise ConfigError(
                 f"CompressionEvalConfig.match_unicache={self.match_unicache!r}: expected a bool"
             )
-        if not isinstance(self.rates, (list, tuple)) or not (self.rates or self.xkv_ratios):
+        if not isinstance(self.rates, (list, tuple)) or not (self.rates or self.xkv_reductions):
             raise ConfigError(
                 f"CompressionEvalConfig.rates={self.rates!r}: expected a non-empty list of rates"
-                " (or give xkv_ratios)"
+                " (or give xkv_reductions)"
             )
         for r in self.rates:
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= MAX_RATE:
@@ -179,8 +188,8 @@ class CompressionEvalConfig:
 # --------------------------------------------------------------------------------- settings
 @dataclass
 class Setting:
-    """One row of the sweep: its label, method, token rate, bits, compressor, and the KV-bytes
-    reduction it was set up for (xKV ratio; NaN for a plain UniCache rate).
+    """One row of the sweep: its label, method, token rate, bits, compressor, and the KV
+    reduction it was set up for (``target_reduction``; NaN for a plain UniCache rate).
 
     Attributes:
         compressor: None for the uncompressed reference (the plain forward).
@@ -191,7 +200,7 @@ class Setting:
     rate: float
     bits: int | None
     compressor: KVCompressor | None = None
-    target: float = math.nan
+    target_reduction: float = math.nan
 
 
 #: The reference row: the plain forward, full cache.
@@ -219,7 +228,7 @@ def _settings(
     opts: CompressionEvalConfig,
     first_batch: dict[str, torch.Tensor] | None,
 ) -> list[Setting]:
-    """The compressed rows: UniCache at each rate; per xKV ratio: xKV, optionally UniCache
+    """The compressed rows: UniCache at each rate; per xKV reduction: xKV, optionally UniCache
     tokens + xKV, optionally UniCache at the same bytes (calibrated on ``first_batch``)."""
     from unicache_train.compress import UniCacheCompressor
     from unicache_train.compress.config import UniCacheConfig, XKVConfig
@@ -232,7 +241,7 @@ def _settings(
         label = f"rate={cfg.target_rate:g}" + (f" int{bits}" if bits else "")
         out.append(Setting(label, "unicache", cfg.target_rate, bits, UniCacheCompressor(cfg)))
     calib = None
-    if opts.match_unicache and first_batch is not None and opts.xkv_ratios:
+    if opts.match_unicache and first_batch is not None and opts.xkv_reductions:
         device = next(model.parameters()).device
         ids, _, mods, split = _batch_inputs(first_batch, device, opts, 0)
         calib = (ids, split, mods)
@@ -240,34 +249,34 @@ def _settings(
     def unicache(rate: float) -> KVCompressor:
         return UniCacheCompressor(unicache_at_rate(base_unicache, rate, opts.quantize))
 
-    for ratio in opts.xkv_ratios:
-        xcfg = XKVConfig(**{**opts.xkv, "rank_mode": "ratio", "ratio": ratio})
+    for red in opts.xkv_reductions:
+        xcfg = XKVConfig(**{**opts.xkv, "rank_mode": "reduction", "reduction": red})
         g = xcfg.group_size
         xkv = XKVCompressor(xcfg)
-        out.append(Setting(f"xkv {ratio:g}x g{g}", "xkv", math.nan, None, xkv, ratio))
+        out.append(Setting(f"xkv {red:g}x g{g}", "xkv", math.nan, None, xkv, red))
         if opts.xkv_token_rate is not None:
             d = unicache_at_rate(base_unicache, opts.xkv_token_rate, "none").to_dict()
             d["head_merge"]["enabled"] = False
             tok = UniCacheCompressor(UniCacheConfig.from_dict(d))
             both = XKVCompressor(XKVConfig(**{**xcfg.to_dict(), "gradient": "exact"}), tok)
-            label = f"unicache {opts.xkv_token_rate:g} + xkv {ratio:g}x g{g}"
-            out.append(Setting(label, "unicache+xkv", opts.xkv_token_rate, None, both, ratio))
+            label = f"unicache {opts.xkv_token_rate:g} + xkv {red:g}x g{g}"
+            out.append(Setting(label, "unicache+xkv", opts.xkv_token_rate, None, both, red))
         if calib is not None:
             ids, split, mods = calib
             # NOTE: matched to the bytes xKV really stores on this batch (rank rounding keeps it
-            # at or above the nominal reduction), not to the nominal ratio.
+            # at or above the nominal reduction), not to the nominal one.
             target = measured_reduction(model, ids, split, xkv, mods)
             rate, _ = rate_for_reduction(
                 model, ids, split, unicache, target, modality_ids=mods, iters=12
             )
             cfg = unicache_at_rate(base_unicache, rate, opts.quantize)
             bits = cfg.quantize.bits if cfg.quantize.active else None
-            label = f"unicache @{ratio:g}x rate={rate:.3g}" + (f" int{bits}" if bits else "")
+            label = f"unicache @{red:g}x rate={rate:.3g}" + (f" int{bits}" if bits else "")
             uc = UniCacheCompressor(cfg)
             if measured_reduction(model, ids, split, uc, mods) < target / 1.02:
                 # e.g. a modality cap (text 0.40 in the default preset) stops the rate
                 label += " (cannot reach these bytes)"
-            out.append(Setting(label, "unicache", rate, bits, uc, ratio))
+            out.append(Setting(label, "unicache", rate, bits, uc, red))
     return out
 
 
@@ -281,16 +290,16 @@ class Quality:
         recall_acc: exact-match recall accuracy (NaN: not measured).
         attn_kl: mean attention KL per query and head (NaN: not measured, e.g. MLA).
         output_kl: mean next-token KL per continuation target.
-        kv_bytes_ratio: stored KV bytes / 16-bit uncompressed bytes.
-        keep_ratio: entries kept / context tokens, mean over layers and batches.
+        kv_reduction: uncompressed 16-bit KV bytes / stored KV bytes.
+        rate_realized: context tokens removed / context tokens, mean over layers and batches.
     """
 
     ppl: float
     recall_acc: float = math.nan
     attn_kl: float = 0.0
     output_kl: float = 0.0
-    kv_bytes_ratio: float = 1.0
-    keep_ratio: float = 1.0
+    kv_reduction: float = 1.0
+    rate_realized: float = 0.0
 
 
 @dataclass
@@ -304,7 +313,7 @@ class _Totals:
     output_kl: float = 0.0
     attn_kl: float = 0.0
     attn_queries: int = 0
-    keep: float = 0.0
+    removed: float = 0.0  # sum over batches of the layers' mean rate_realized
     stored_bytes: float = 0.0
     baseline_bytes: float = 0.0
 
@@ -322,11 +331,11 @@ class _Totals:
         self.add_nll(out.logits, labels, cont)
         target = cont & (labels != IGNORE_INDEX)
         self.output_kl += float(compression_kl(plain, out.logits, target)) * int(target.sum())
-        stats = out.compression
-        self.keep += float(sum(float(s["keep_ratio"]) for s in stats) / max(len(stats), 1))
-        kv, base = stats_bytes(stats)
-        self.stored_bytes += kv
-        self.baseline_bytes += base
+        stats = out.compression_stats
+        self.removed += sum(float(s["rate_realized"]) for s in stats) / max(len(stats), 1)
+        kv, base = pooled_kv_bytes(stats)
+        self.stored_bytes += float(kv)
+        self.baseline_bytes += float(base)
 
     def add_attention(self, per_layer: Iterable[tuple[float, int]]) -> None:
         """(KL sum, queries x heads) per layer (:func:`~unicache_train.eval.attn_kl.layer_kls`)."""
@@ -340,21 +349,21 @@ class _Totals:
         return math.exp(min(self.nll / self.tokens, 50.0))
 
     def quality(self) -> Quality:
-        """The means; the bytes ratio from the compressor's own stats (recall overrides it with
-        the real decoding caches' bytes)."""
+        """The means; the KV reduction from the compressor's own stats (recall overrides it
+        with the real decoding caches' bytes)."""
         nan = math.nan
-        stored = self.stored_bytes / self.baseline_bytes if self.baseline_bytes > 0 else nan
+        reduction = self.baseline_bytes / self.stored_bytes if self.stored_bytes > 0 else nan
         return Quality(
             ppl=self.ppl,
             attn_kl=self.attn_kl / max(self.attn_queries, 1) if self.attention else nan,
             output_kl=self.output_kl / self.tokens,
-            kv_bytes_ratio=stored,
-            keep_ratio=self.keep / max(self.batches, 1),
+            kv_reduction=reduction,
+            rate_realized=self.removed / max(self.batches, 1),
         )
 
 
 def quality_row(setting: Setting, q: Quality, reference: Quality) -> dict[str, Any]:
-    """One table row (:data:`~unicache_train.eval.report.CSV_COLUMNS` plus ``kv_target``) with
+    """One table row (:data:`~unicache_train.eval.report.CSV_COLUMNS`) with
     its quality checks (True, False, or None = n/a) against the uncompressed ``reference``.
 
     A check reads n/a when it cannot measure anything: ``kl_ok`` without an attention KL (MLA),
@@ -374,7 +383,7 @@ def quality_row(setting: Setting, q: Quality, reference: Quality) -> dict[str, A
     checks = (kl_ok, ppl_ok, acc_ok)
     passed = False if False in checks else (None if None in checks else True)
     rate = setting.rate
-    realized = 1.0 - q.keep_ratio
+    realized = q.rate_realized
     shortfall = max(rate - realized, 0.0) if not math.isnan(rate) else math.nan
     return {
         "label": setting.label, "rate": rate, "rate_realized": realized,
@@ -382,9 +391,8 @@ def quality_row(setting: Setting, q: Quality, reference: Quality) -> dict[str, A
         "ppl": q.ppl, "ppl_uncompressed": reference.ppl, "ppl_delta": ppl_delta,
         "recall_acc": q.recall_acc, "recall_acc_uncompressed": reference.recall_acc,
         "recall_acc_delta": acc_delta, "attn_kl": q.attn_kl, "output_kl": q.output_kl,
-        "kv_bytes_ratio": q.kv_bytes_ratio, "keep_ratio": q.keep_ratio,
-        "kl_ok": kl_ok, "ppl_ok": ppl_ok, "acc_ok": acc_ok, "pass": passed,
-        "method": setting.method, "kv_target": setting.target,
+        "kv_reduction": q.kv_reduction, "kl_ok": kl_ok, "ppl_ok": ppl_ok, "acc_ok": acc_ok,
+        "pass": passed, "method": setting.method, "target_reduction": setting.target_reduction,
     }  # fmt: skip
 
 
@@ -400,7 +408,7 @@ def evaluate_compression(
     logger: Any | None = None,
     loader: Iterable[dict[str, torch.Tensor]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Quality under compression at each rate and xKV ratio (see the module docstring).
+    """Quality under compression at each rate and xKV reduction (see the module docstring).
 
     Args:
         model: the decoder (GQA; MLA without recall and attention KL; set to eval mode here).
@@ -414,7 +422,8 @@ def evaluate_compression(
 
     Returns:
         One dict per row (:func:`quality_row`): first ``uncompressed``, then one per setting
-        (UniCache rates, then per xKV ratio: xKV, UniCache + xKV, UniCache at the same bytes).
+        (UniCache rates, then per xKV reduction: xKV, UniCache + xKV, UniCache at the same
+        bytes).
     """
     opts = options or CompressionEvalConfig()
     model.eval()
@@ -465,7 +474,7 @@ def evaluate_compression(
     for st, tot in zip(settings, totals):
         q = tot.quality()
         if records:
-            q.recall_acc, q.kv_bytes_ratio, _ = recall_accuracy(
+            q.recall_acc, q.kv_reduction, _ = recall_accuracy(
                 model, tokenizer, records, st.compressor, opts.batch_size
             )
         rows.append(quality_row(st, q, reference))

@@ -64,8 +64,8 @@ def recall_accuracy(
         batch_size: prompts decoded together (right padded).
 
     Returns:
-        (accuracy in [0, 1], KV bytes ratio of the compressed prompt caches: stored / 16-bit
-        uncompressed, predictions).
+        (accuracy in [0, 1], KV reduction of the compressed prompt caches: uncompressed 16-bit
+        bytes / stored bytes, predictions).
     """
     from unicache_train.data.synthetic import score_recall
     from unicache_train.model.generate import generate_compressed
@@ -95,4 +95,4 @@ def recall_accuracy(
         kv += gen.cache.kv_bytes()
         base += gen.cache.baseline_bytes(hd)
     acc = score_recall(preds, [r["answer"] for r in records])
-    return acc, kv / max(base, 1), preds
+    return acc, base / kv if kv else float("nan"), preds

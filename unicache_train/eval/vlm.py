@@ -3,18 +3,19 @@
 For every compression *variant* (a UniCache configuration family, :data:`VARIANTS`) and rate,
 each evaluation prompt (image(s) + question) is prefilled through the model's compression seam,
 every layer's context K/V is compressed, and the answer is decoded greedily **on the real
-compressed cache** (:func:`~unicache_train.compress.inference.generate_compressed`; packed int8
+compressed cache** (:func:`~unicache_train.model.generate.generate_compressed`; packed int8
 storage dequantized on the fly). Accuracy is the exact match of the decoded answer with the
 reference (:func:`~unicache_train.data.synthetic.normalize_answer` on both), per task type.
 The uncompressed reference decodes the same way with the identity compressor.
 
 Reported per row (model, variant, rate): the realized rate next to the requested one
 (``rate_realized``, context tokens removed, and ``budget_shortfall``, their gap when modality caps
-or protection withhold removal), accuracy per task and overall, the realized keep ratio
-per modality (entries kept / context tokens, mean over layers and prompts) and overall, the
-fraction of context tokens protected as alignment tokens, and the KV bytes ratio (stored bytes of
-the compressed cache, payload + scales + merge counts / head maps, over the 16-bit uncompressed
-cache of the same prompts, all layers).
+or protection withhold removal), accuracy per task and overall, the realized rate per modality
+(``rate_realized/<modality>``: context tokens of that modality removed, mean over layers and
+prompts), the fraction of context tokens protected as alignment tokens, and the KV reduction
+(``kv_reduction``: the 16-bit uncompressed cache of the same prompts over the stored bytes of the
+compressed cache, payload + scales + merge counts / head maps, all layers). Words:
+docs/architecture.md#words.
 
 Variants (the issue's (a)-(d) plus ablations that isolate one step each):
 
@@ -253,6 +254,14 @@ def _progress(items: Iterable, total: int, description: str, enabled: bool) -> I
 
 
 # ----------------------------------------------------------------------------- one setting
+#: Per-layer compressor stats averaged over layers and prompts (context tokens removed per
+#: modality and overall; protected alignment tokens).
+_LAYER_STATS = (
+    "rate_realized", "rate_realized/text", "rate_realized/vision", "rate_realized/audio",
+    "protected_fraction",
+)  # fmt: skip
+
+
 @torch.no_grad()
 def answer_accuracy(
     model,
@@ -270,8 +279,8 @@ def answer_accuracy(
         embeds: per batch, the prompt embeddings (``model.embed``), to reuse across settings.
 
     Returns:
-        dict with ``acc/<task>`` and ``acc`` (fractions), ``keep_ratio`` and
-        ``keep_ratio/<modality>``, ``protected_fraction``, ``kv_bytes_ratio``, ``n`` and
+        dict with ``acc/<task>`` and ``acc`` (fractions), ``rate_realized`` and
+        ``rate_realized/<modality>``, ``protected_fraction``, ``kv_reduction``, ``n`` and
         ``predictions``.
     """
     from unicache_train.data.synthetic import normalize_answer
@@ -304,8 +313,7 @@ def answer_accuracy(
         # Layer means of the batch's stats, weighted by the batch's prompts.
         w = float(len(pb.answers))
         for stats in (gen.cache.stats or []):
-            for key in ("keep_ratio", "keep_ratio/text", "keep_ratio/vision", "keep_ratio/audio",
-                        "protected_fraction"):  # fmt: skip
+            for key in _LAYER_STATS:
                 if key in stats:
                     sums[key] = sums.get(key, 0.0) + float(stats[key]) * w
                     counts[key] = counts.get(key, 0.0) + w
@@ -317,14 +325,12 @@ def answer_accuracy(
     total = sum(n for _, n in hits.values())
     out["acc"] = sum(h for h, _ in hits.values()) / max(total, 1)
     out["n"] = total
-    for key in ("keep_ratio", "keep_ratio/text", "keep_ratio/vision", "keep_ratio/audio",
-                "protected_fraction"):  # fmt: skip
+    for key in _LAYER_STATS:
         out[key] = sums[key] / counts[key] if counts.get(key) else float("nan")
     if isinstance(compressor, IdentityCompressor):
-        out["keep_ratio"] = out["keep_ratio/text"] = out["keep_ratio/vision"] = 1.0
+        out["rate_realized"] = out["rate_realized/text"] = out["rate_realized/vision"] = 0.0
         out["protected_fraction"] = 0.0
-    out["rate_realized"] = 1.0 - out["keep_ratio"]  # context tokens removed, mean over layers
-    out["kv_bytes_ratio"] = kv / max(base, 1)
+    out["kv_reduction"] = base / kv if kv else float("nan")
     out["predictions"] = preds
     return out
 
@@ -334,8 +340,8 @@ def answer_accuracy(
 #: over layers); ``budget_shortfall``: ``rate - rate_realized`` when positive (caps, protection).
 VLM_CSV_COLUMNS = (
     "model", "variant", "rate", "rate_realized", "budget_shortfall", "acc",
-    *(f"acc/{t}" for t in TASKS), "keep_ratio", "keep_ratio/text", "keep_ratio/vision",
-    "protected_fraction", "kv_bytes_ratio", "n",
+    *(f"acc/{t}" for t in TASKS), "rate_realized/text", "rate_realized/vision",
+    "protected_fraction", "kv_reduction", "n",
 )  # fmt: skip
 
 
@@ -455,7 +461,7 @@ def _line_style(model: str, variant: str) -> tuple[str | None, str, str]:
 
 def plot_accuracy(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     """One column per task (plus overall), accuracy against the target rate (top row) and
-    against the realized KV bytes ratio (bottom row: settings compared at equal memory), one
+    against the realized KV reduction (bottom row: settings compared at equal memory), one
     line per (model, variant); uncompressed accuracy of each model as a horizontal line."""
     import matplotlib
 
@@ -469,7 +475,7 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], path: str | Path, title: str =
     dashes = ["-", "--", ":", "-."]
     for row, xkey, xlabel in (
         (0, "rate", "target rate (fraction of context tokens removed)"),
-        (1, "kv_bytes_ratio", "KV bytes / 16-bit uncompressed cache"),
+        (1, "kv_reduction", "KV reduction (16-bit uncompressed / stored bytes)"),
     ):
         for ax, key, t in zip(axes[row], keys, titles):
             for mi, m in enumerate(models):

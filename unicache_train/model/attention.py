@@ -35,7 +35,7 @@ from unicache_train.config import ModelConfig
 from unicache_train.model.kv_cache import KVCache
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import apply_rope
-from unicache_train.seam import CompressionInput, KVCompressor, KVSegment
+from unicache_train.seam import CompressionInput, KVCompressor, KVSegment, uncompressed_kv_bytes
 
 
 class QKV(NamedTuple):
@@ -368,10 +368,16 @@ def _gather_rope(
 
 
 def kv_bytes_per_token(config: ModelConfig, bytes_per_element: int = 2) -> int:
-    """KV-cache bytes per token per layer of an uncompressed cache."""
+    """KV-cache bytes per token per layer of an uncompressed cache
+    (:func:`unicache_train.seam.uncompressed_kv_bytes`): MLA stores its latent
+    ``[c_kv ‖ k_pe]`` once, GQA its K and V per KV head."""
     if config.attention_type == "mla":
-        return (config.kv_lora_rank + config.qk_rope_head_dim) * bytes_per_element
-    return 2 * config.num_key_value_heads * config.head_size * bytes_per_element
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        return int(uncompressed_kv_bytes(1, 1, width, config.kv_lora_rank, latent=True,
+                                         dtype_bytes=bytes_per_element))  # fmt: skip
+    hd = config.head_size
+    return int(uncompressed_kv_bytes(1, config.num_key_value_heads, hd, hd,
+                                     dtype_bytes=bytes_per_element))  # fmt: skip
 
 
 __all__ = [

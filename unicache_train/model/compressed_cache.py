@@ -26,7 +26,14 @@ import torch
 from unicache_train.model.attention import count_bias
 from unicache_train.model.kv_cache import KVCache
 from unicache_train.ops.rope import apply_rope
-from unicache_train.seam import KVSegment, LowRankKV, QuantizedKV, dequantize
+from unicache_train.seam import (
+    KVSegment,
+    LowRankKV,
+    QuantizedKV,
+    dequantize,
+    stored_kv_bytes,
+    uncompressed_kv_bytes,
+)
 
 __all__ = ["CompressedKVCache", "StoredSegment"]
 
@@ -158,28 +165,20 @@ class StoredSegment:
         return k.to(dtype), v.to(dtype)
 
     def payload_bytes(self, cache_dtype_bytes: int = 2) -> int:
-        """K/V bytes: valid entries x stored heads x (payload + scales), for K and for V.
-
-        Floating segments count ``cache_dtype_bytes`` per element (the deployed cache dtype, not
-        the fp32 of a CPU run), as the compressor's own ``kv_bytes`` stat does.
-        """
-        if self.lowrank is not None:  # the factors, not the reconstruction
-            return int(self.lowrank.nbytes(self.valid, cache_dtype_bytes).sum().item())
-        n = self.valid.sum(1).double()  # [B]
-        g = self.groups.double()
-        q = self.quant
-        if q is None:
-            assert self.keys is not None and self.values is not None
-            width = self.keys.shape[-1] + self.values.shape[-1]
-            return int((g * n).sum().item() * width * cache_dtype_bytes)
-        total = torch.zeros_like(n)
-        for data, scale in ((q.k_data, q.k_scale), (q.v_data, q.v_scale)):
-            payload = data.shape[-1] * data.element_size()
-            if q.granularity == "token_head":
-                total += g * n * (payload + scale.element_size())
-            else:
-                total += g * n * payload + g * scale.element_size() * (n > 0)
-        return int(total.sum().item())
+        """K/V bytes (:func:`unicache_train.seam.stored_kv_bytes`, as the compressor's own
+        ``kv_bytes`` stat counts them): valid entries x stored heads x (payload + scales), for
+        K and for V; the factors of a low-rank segment."""
+        if self.quant is not None:
+            dk, dv = self.quant.head_dim, self.quant.value_dim or self.quant.head_dim
+        elif self.keys is not None and self.values is not None:
+            dk, dv = self.keys.shape[-1], self.values.shape[-1]
+        else:
+            dk = dv = 0  # low-rank: the factors carry their widths
+        stored = stored_kv_bytes(
+            self.valid, self.groups, dk, dv, quant=self.quant, lowrank=self.lowrank,
+            dtype_bytes=cache_dtype_bytes,
+        )  # fmt: skip
+        return int(stored.sum().item())
 
     def metadata_bytes(self) -> int:
         """What a cache stores beside K/V, only when compression made it necessary: per-entry
@@ -191,9 +190,13 @@ class StoredSegment:
         return counts + (self.head_map.numel() if merged_heads else 0)
 
     def baseline_bytes(self, head_dim: int, value_dim: int, cache_dtype_bytes: int = 2) -> int:
-        """The uncompressed 16-bit cache of the same context: ``L * Hk * (D_k + D_v) * bytes``."""
+        """The uncompressed 16-bit cache of the same context
+        (:func:`unicache_train.seam.uncompressed_kv_bytes`)."""
         Hk = self.head_map.shape[1]
-        return int(self.context_tokens.sum()) * Hk * (head_dim + value_dim) * cache_dtype_bytes
+        tokens = int(self.context_tokens.sum())
+        return int(
+            uncompressed_kv_bytes(tokens, Hk, head_dim, value_dim, dtype_bytes=cache_dtype_bytes)
+        )
 
 
 class CompressedKVCache(KVCache):

@@ -46,11 +46,18 @@ Branch = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class DecoderOutput:
-    """logits: [B, T, V]; compression: one stats dict per layer when a compressor ran;
-    reference_logits: [B, T, V] the uncompressed forward's logits (no gradient) when asked."""
+    """What a forward returns.
+
+    Attributes:
+        logits: [B, T, V] ([B, K, V] with ``logits_at``).
+        compression_stats: one stats dict per layer (the segment's
+            :attr:`~unicache_train.seam.KVSegment.stats`: ``rate_realized``, ``kv_bytes``,
+            ``kv_reduction``, ...) when a compressor ran, else empty.
+        reference_logits: [B, T, V] the uncompressed forward's logits (no gradient) when asked.
+    """
 
     logits: torch.Tensor
-    compression: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    compression_stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
     reference_logits: torch.Tensor | None = None
 
 
@@ -281,7 +288,7 @@ class Decoder(nn.Module):
         for layer in self.layers:
             x = layer(x, **kwargs)
         if not head:
-            return DecoderOutput(logits=x.new_empty(0), compression=stats)
+            return DecoderOutput(logits=x.new_empty(0), compression_stats=stats)
         if self.hc_head is not None:
             x = self.hc_head(x)  # [B, T, n, C] -> [B, T, C]
         if logits_at is not None:
@@ -292,7 +299,7 @@ class Decoder(nn.Module):
                 )
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, C]
         logits = self.lm_head(self.norm(x))  # [B, T or K, V]
-        return DecoderOutput(logits=logits, compression=stats)
+        return DecoderOutput(logits=logits, compression_stats=stats)
 
     # ---------------------------------------------------------------------------- generation
     @torch.no_grad()

@@ -116,7 +116,7 @@ def prefill_compressed(
         # compressor returned; the recorder kept the object (not a copy): the rotated keys.
         n_ctx = capture.inputs[layer_idx].context_mask.sum(1)
         cache.set_segment(layer_idx, StoredSegment.from_segment(seg, n_ctx))
-    cache.stats = out.compression
+    cache.stats = out.compression_stats
     return cache, out.logits[:, 0]  # [B, V]
 
 

@@ -6,10 +6,13 @@ Signal gain (see :mod:`unicache_train.monitor.gain`)::
     mhc/composite_fwd   mhc/composite_bwd   mhc/max_log_rowsum   mhc/max_log_colsum
     mhc/sinkhorn_residual
 
-Compression quality (fed by the compressors' per-layer stats and by evaluation)::
+Compression quality (fed by the compressors' per-layer stats and by evaluation; the words are
+docs/architecture.md#words: a rate is a fraction of context tokens removed, a reduction is
+uncompressed 16-bit bytes / stored bytes)::
 
-    compress/kv_bytes_ratio            compress/kv_bytes_ratio/layer_03
-    compress/keep_ratio/<modality>     compress/keep_ratio/<modality>/layer_03
+    compress/kv_reduction                 compress/kv_reduction/layer_03
+    compress/rate_realized                compress/rate_realized/layer_03
+    compress/rate_realized/<modality>     compress/rate_realized/<modality>/layer_03
     compress/attn_kl   compress/ppl_delta   compress/recall_acc_delta
 """
 
@@ -19,6 +22,8 @@ import math
 from collections.abc import Iterable, Mapping
 
 import torch
+
+from unicache_train.seam import pooled_kv_bytes
 
 GAIN_FWD_LAYER = "gain/fwd_layer_{:02d}"
 GAIN_BWD_LAYER = "gain/bwd_layer_{:02d}"
@@ -31,20 +36,43 @@ MHC_MAX_LOG_COLSUM = "mhc/max_log_colsum"
 MHC_SINKHORN_RESIDUAL = "mhc/sinkhorn_residual"
 
 COMPRESS_PREFIX = "compress"
-COMPRESS_KV_BYTES_RATIO = "compress/kv_bytes_ratio"
-COMPRESS_KEEP_RATIO = "compress/keep_ratio/{}"
+COMPRESS_KV_REDUCTION = "compress/kv_reduction"
+COMPRESS_RATE_REALIZED = "compress/rate_realized"
 COMPRESS_ATTN_KL = "compress/attn_kl"
 COMPRESS_PPL_DELTA = "compress/ppl_delta"
 COMPRESS_RECALL_DELTA = "compress/recall_acc_delta"
 
 # Per-layer stats of a compressor that are worth a curve per layer; the rest are averaged only.
-PER_LAYER_KEYS = ("kv_bytes_ratio", "keep_ratio")
+PER_LAYER_KEYS = ("kv_reduction", "rate_realized")
 
 
-def _scalar(value: torch.Tensor | float) -> float:
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().float().mean())
-    return float(value)
+def _tensor(value: torch.Tensor | float) -> torch.Tensor:
+    return torch.as_tensor(value).detach().float()
+
+
+def layer_mean_stats(
+    per_layer: Iterable[Mapping[str, torch.Tensor | float]], prefix: str = COMPRESS_PREFIX
+) -> dict[str, torch.Tensor]:
+    """Per-layer compressor stats -> ``{prefix}/{key}`` over the layers that report it, as
+    tensors on the stats' device (no device sync: the training step logs these every step).
+
+    The mean over layers, except ``kv_bytes`` (summed: the bytes of the whole cache of the
+    batch) and ``kv_reduction`` (the whole cache's, uncompressed / stored summed over layers,
+    :func:`unicache_train.seam.pooled_kv_bytes`; not a mean of ratios).
+    """
+    per_layer = [{k: _tensor(v) for k, v in st.items()} for st in per_layer]
+    values: dict[str, list[torch.Tensor]] = {}
+    for stats in per_layer:
+        for key, value in stats.items():
+            values.setdefault(key, []).append(value.mean())
+    out = {}
+    for key, vs in values.items():
+        stacked = torch.stack(vs)
+        out[f"{prefix}/{key}"] = stacked.sum() if key == "kv_bytes" else stacked.mean()
+    if "kv_reduction" in values and "kv_bytes" in values:
+        stored, uncompressed = pooled_kv_bytes(per_layer)
+        out[f"{prefix}/kv_reduction"] = (uncompressed / stored.clamp_min(1.0)).float()
+    return out
 
 
 def compression_metrics(
@@ -52,29 +80,26 @@ def compression_metrics(
     per_layer_keys: Iterable[str] = PER_LAYER_KEYS,
     prefix: str = COMPRESS_PREFIX,
 ) -> dict[str, float]:
-    """Turn a compressor's per-layer stats into logger metrics.
+    """Turn a compressor's per-layer stats into logger metrics (floats: syncs the device).
 
     Args:
-        per_layer: one stats dict per layer (``DecoderOutput.compression``), keys like
-            ``kv_bytes_ratio``, ``keep_ratio``, ``keep_ratio/vision``.
+        per_layer: one stats dict per layer (``DecoderOutput.compression_stats``), keys like
+            ``kv_bytes``, ``kv_reduction``, ``rate_realized``, ``rate_realized/vision``.
         per_layer_keys: stats (and their ``/<modality>`` variants) also logged per layer.
         prefix: metric group.
 
     Returns:
-        ``{prefix}/{key}`` = mean over layers, plus ``{prefix}/{key}/layer_XX`` for the
-        per-layer keys. Non-finite values are kept (a NaN must show, not vanish).
+        :func:`layer_mean_stats`, plus ``{prefix}/{key}/layer_XX`` for the per-layer keys.
+        Non-finite values are kept (a NaN must show, not vanish).
     """
-    sums: dict[str, list[float]] = {}
-    out: dict[str, float] = {}
+    per_layer = list(per_layer)
     keys = tuple(per_layer_keys)
+    out: dict[str, float] = {}
     for layer, stats in enumerate(per_layer):
         for key, value in stats.items():
-            v = _scalar(value)
-            sums.setdefault(key, []).append(v)
             if key.split("/")[0] in keys:
-                out[f"{prefix}/{key}/layer_{layer:02d}"] = v
-    for key, values in sums.items():
-        out[f"{prefix}/{key}"] = sum(values) / len(values)
+                out[f"{prefix}/{key}/layer_{layer:02d}"] = float(_tensor(value).mean())
+    out.update({k: float(v) for k, v in layer_mean_stats(per_layer, prefix).items()})
     return out
 
 

@@ -42,7 +42,6 @@ __all__ = [
     "compression_kl",
     "curriculum_scale",
     "set_rate_scale",
-    "layer_mean_stats",
     "step_generator",
 ]
 
@@ -174,19 +173,3 @@ def set_rate_scale(compressor: KVCompressor, scale: float) -> bool:
         return False
     setter(scale)
     return True
-
-
-def layer_mean_stats(per_layer: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Per-layer compressor stats -> ``compress/<key>`` averaged over the layers that report it.
-
-    ``kv_bytes`` is summed instead (bytes of the whole cache of the batch).
-    """
-    keys: dict[str, list[torch.Tensor]] = {}
-    for stats in per_layer:
-        for key, value in stats.items():
-            keys.setdefault(key, []).append(value.detach().float())
-    out = {}
-    for key, values in keys.items():
-        stacked = torch.stack(values)
-        out[f"compress/{key}"] = stacked.sum() if key == "kv_bytes" else stacked.mean()
-    return out

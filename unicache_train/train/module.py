@@ -14,13 +14,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from unicache_train.config import RunConfig
 from unicache_train.model import Decoder
 from unicache_train.model.loss import causal_lm_loss  # re-exported: recipes/scripts import it here
+from unicache_train.monitor.metrics import layer_mean_stats
 from unicache_train.train.compression import (
     IGNORE_INDEX,
     build_compressor,
     compression_kl,
     continuation_mask,
     curriculum_scale,
-    layer_mean_stats,
     masked_lm_loss,
     masked_nll,
     sample_splits,
@@ -45,8 +45,9 @@ class LMModule(L.LightningModule):
     layer, loss on the continuation (+ optional KL to the uncompressed forward of the same model),
     the rate curriculum applied through ``compressor.set_rate_scale``. Logged: ``train/loss``,
     ``train/lm_loss``, ``train/kl`` (when ``kl_weight > 0``), ``compress/rate_scale`` and the
-    compressor's stats averaged over layers (``compress/kv_bytes_ratio``,
-    ``compress/keep_ratio/<modality>``, ...). Validation reports ``val/loss`` and ``val/ppl`` on
+    compressor's stats over layers (``compress/kv_reduction``, ``compress/rate_realized``,
+    ``compress/rate_realized/<modality>``, ...; :func:`~unicache_train.monitor.metrics.
+    layer_mean_stats`). Validation reports ``val/loss`` and ``val/ppl`` on
     every target (as without compression) and, on continuation targets, ``val/ppl_continuation``
     (uncompressed), ``val/ppl_compressed`` (at the full rate) and ``compress/ppl_delta`` (relative
     increase, 0.03 = +3%).
@@ -137,8 +138,8 @@ class LMModule(L.LightningModule):
             kl = compression_kl(out.reference_logits, out.logits, targets, cc.kl_temperature)
             loss = loss + cc.kl_weight * kl
             logs["train/kl"] = kl.detach()
-        logs.update(layer_mean_stats(out.compression))
-        return loss, logs, out.compression
+        logs.update(layer_mean_stats(out.compression_stats))
+        return loss, logs, out.compression_stats
 
     def _compressed_training_step(
         self, batch: dict[str, torch.Tensor], batch_idx: int
@@ -152,7 +153,7 @@ class LMModule(L.LightningModule):
         return loss
 
     def _record_layer_curves(self, per_layer: list[dict[str, torch.Tensor]]) -> None:
-        """Per-layer curves (``compress/kv_bytes_ratio/layer_03``) go to the monitor's sink when
+        """Per-layer curves (``compress/kv_reduction/layer_03``) go to the monitor's sink when
         the trainer has one; the layer means are logged by :meth:`log_dict` already."""
         if self._trainer is None or not per_layer:
             return

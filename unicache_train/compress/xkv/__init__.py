@@ -19,8 +19,8 @@ Per group of G contiguous layers, per sample, separately for keys (pre-RoPE) and
 
     stored: r (M + W) elements instead of M W (``LowRankKV.nbytes``; the owner layer counts A)
 
-Rank: ``rank_fraction`` of W, an ``energy`` threshold, or the largest rank within ``1 / ratio``
-of the uncompressed 16-bit cache counting both factors (:func:`select_rank`).
+Rank: ``rank_fraction`` of W, an ``energy`` threshold, or the largest rank within
+``1 / reduction`` of the uncompressed 16-bit cache counting both factors (:func:`select_rank`).
 
 **Why two passes.** The seam calls the compressor layer by layer, but a group's SVD needs all
 of its layers' context K/V. Context rows never depend on the compressed cache, so the decoder

@@ -21,6 +21,8 @@ from unicache_train.seam import (
     LowRankKV,
     RecordedContext,
     identity_segment,
+    segment_kv_bytes,
+    uncompressed_kv_bytes,
 )
 from unicache_train.validation import ConfigError
 
@@ -50,7 +52,7 @@ class XKVCompressor:
     ) -> None:
         self.config = config if config is not None else XKVConfig()
         self.pre_rope = self.config.keys_pre_rope
-        self.token = token_compressor
+        self.token_compressor = token_compressor
         if token_compressor is not None:
             _check_token_compressor(token_compressor, self.config)
         self.rate_scale = 1.0
@@ -58,16 +60,17 @@ class XKVCompressor:
         self._pooled_step: int | None = None
 
     def __repr__(self) -> str:
-        return f"XKVCompressor({self.config!r}, token_compressor={self.token!r})"
+        return f"XKVCompressor({self.config!r}, token_compressor={self.token_compressor!r})"
 
     # ---------------------------------------------------------------------- curriculum
     def set_rate_scale(self, rate_scale: float) -> None:
-        """Curriculum: 0 is no compression, 1 the configured rank (ratio, fraction or energy
-        move linearly from lossless to the setting); forwarded to the token compressor."""
+        """Curriculum: 0 is no compression, 1 the configured rank (reduction, fraction or
+        energy move linearly from lossless to the setting); forwarded to the token
+        compressor."""
         if isinstance(rate_scale, bool) or not 0.0 <= float(rate_scale) <= 1.0:
             raise ValueError(f"rate_scale={rate_scale!r} is out of range; allowed [0.0, 1.0]")
         self.rate_scale = float(rate_scale)
-        setter = getattr(self.token, "set_rate_scale", None)
+        setter = getattr(self.token_compressor, "set_rate_scale", None)
         if setter is not None:
             setter(rate_scale)
 
@@ -89,7 +92,7 @@ class XKVCompressor:
         return not self._causal()
 
     def _causal(self) -> bool:
-        return self.config.gradient == "causal" and self.token is None
+        return self.config.gradient == "causal" and self.token_compressor is None
 
     def fit(self, context: RecordedContext, step: int | None = None) -> XKVFit:
         """Fit every layer group on the recorded context (called by the decoder between its
@@ -112,14 +115,14 @@ class XKVCompressor:
             cfg,
             context,
             rate_scale=self.rate_scale,
-            token_compressor=self.token,
+            token_compressor=self.token_compressor,
             pooled=self._pooled if pooled else None,
             exact=not self._causal(),
         )
 
     # ---------------------------------------------------------------------- serving
     def __call__(self, inp: CompressionInput) -> KVSegment:
-        if inp.latent and self.token is not None:
+        if inp.latent and self.token_compressor is not None:
             raise NotImplementedError(
                 "xKV with UniCache token compression is implemented for GQA models only"
             )
@@ -180,28 +183,15 @@ class XKVCompressor:
     def _identity(self, inp: CompressionInput) -> KVSegment:
         """Rate 0: the context as is (what the curriculum starts from)."""
         seg = identity_segment(inp, with_assignment=True)
-        base = self._baseline(
-            inp.context_mask.sum(1),
-            inp.keys.shape[1],
-            inp.keys.shape[-1],
-            inp.values.shape[-1],
-            inp.latent,
-        ).sum()
-        one = torch.ones((), device=inp.keys.device)
+        # The identity's values are the latent's first features (MLA): stored once, as deployed.
+        kv = segment_kv_bytes(seg, self.config.cache_dtype_bytes, latent=inp.latent).sum()
+        dev = inp.keys.device
         seg.stats = {
-            "kv_bytes": base.float().to(one.device),
-            "kv_bytes_ratio": one,
-            "keep_ratio": one,
+            "kv_bytes": kv.float(),
+            "kv_reduction": torch.ones((), device=dev),
+            "rate_realized": torch.zeros((), device=dev),
         }
         return seg
-
-    def _baseline(
-        self, context_tokens: torch.Tensor, heads: int, dk: int, dv: int, latent: bool
-    ) -> torch.Tensor:
-        """Uncompressed 16-bit context cache per sample and layer, [B] float64 (MLA: the latent
-        ``c_kv ‖ k_pe`` once, as deployed)."""
-        width = dk if latent else dk + dv
-        return context_tokens.double() * heads * width * self.config.cache_dtype_bytes
 
     @torch.no_grad()
     def _stats(
@@ -209,13 +199,15 @@ class XKVCompressor:
     ) -> dict[str, torch.Tensor]:
         """Per-layer scalars: bytes (factors), ranks, captured energy, reconstruction error."""
         dt = self.config.cache_dtype_bytes
-        kv = low.nbytes(valid, dt).sum()
-        base = self._baseline(g.context_tokens, g.heads, g.head_dim, g.value_dim, latent).sum()
+        kv = low.nbytes(valid, dt).sum()  # the factors (seam.stored_kv_bytes' low-rank case)
+        base = uncompressed_kv_bytes(
+            g.context_tokens, g.heads, g.head_dim, g.value_dim, latent=latent, dtype_bytes=dt
+        ).sum()
         n_ctx = g.context_tokens.sum().double().clamp_min(1.0)
         stats: dict[str, torch.Tensor] = {
             "kv_bytes": kv,
-            "kv_bytes_ratio": kv / base.clamp_min(1.0),
-            "keep_ratio": valid.sum() / n_ctx,
+            "kv_reduction": base / kv.clamp_min(1.0),
+            "rate_realized": 1.0 - valid.sum() / n_ctx,
             "xkv_rank_k": g.keys.rank.double().mean(),
             "xkv_rank_fraction_k": g.keys.rank.double().mean() / g.keys.basis.shape[1],
             "xkv_energy_k": g.keys.energy.double().mean(),

@@ -83,7 +83,7 @@ def select_rank(
     Returns:
         [B] long in ``[1, min(rows, K)]`` (``min_rank`` permitting): ``fraction``:
         ``round(f * W)``; ``energy``: the smallest r with ``sum_{i<r} s_i^2 >= e * sum s_i^2``;
-        ``ratio``: the largest r with ``r (rows + W) <= context_tokens * W / ratio``.
+        ``reduction``: the largest r with ``r (rows + W) <= context_tokens * W / reduction``.
     """
     B, K = sv.shape
     dev = sv.device
@@ -98,7 +98,7 @@ def select_rank(
         # NOTE: a small slack so that e = 1 keeps the rank of the data, not round-off dust.
         r = (cum < e - 1e-9).sum(1) + 1
     else:
-        q = 1.0 + scale * (config.ratio - 1.0)
+        q = 1.0 + scale * (config.reduction - 1.0)
         budget = context_tokens.to(dev).double() * width / q
         r = torch.floor(budget / (rows.double() + width) + 1e-9).long()
     cap = torch.clamp(rows.long(), max=min(K, width)).clamp_min(1)

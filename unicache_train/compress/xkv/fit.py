@@ -237,7 +237,7 @@ def _group_rows(
         modality_ids=seg.modality_ids,
         counts=seg.counts.float(),
         assignment=seg.assignment,
-        stats={k: v for k, v in seg.stats.items() if k.startswith("keep_ratio")},
+        stats={k: v for k, v in seg.stats.items() if k.startswith("rate_realized")},
     )
     return keys, values, meta
 
