@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for path in study.get("include") or []:
         rows += read_results(path)  # rows of earlier runs (e.g. the base, evaluated once)
     if study.get("evaluate_base", True):
-        rows += evaluate(model, tok, "base", settings, tasks, study, blocks, log)
+        label = str(study["label"])
+        rows += evaluate(model, tok, label, settings, tasks, study, blocks, log)
         write_results(rows, out, header)
     ft_method, ft_red = parse_setting(study["finetune_setting"])
     ft_cfg = next(
