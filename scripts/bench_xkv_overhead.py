@@ -10,9 +10,10 @@ Cases (one setup function each):
   inloop_identity    the in-loop step with the identity compressor (splits, the seam's masked
                      attention, continuation loss): what any in-loop method pays before it
                      compresses anything
-  xkv_exact          xKV, gradient "exact": phase A (context prefill) with gradient, per-sample
-                     fp32 SVD per group, the in-loop forward on the reconstructions
-  xkv_causal         xKV, gradient "causal": phase A without gradient
+  xkv_exact          xKV, gradient "exact": the recording pass (context prefill) with
+                     gradient, per-sample fp32 SVD per group, the in-loop forward on the
+                     reconstructions
+  xkv_causal         xKV, gradient "causal": the recording pass without gradient
   xkv_refresh        xKV "causal" with a pooled basis refreshed every ``--refresh`` steps
                      (no SVD on the other steps)
   unicache           UniCache at the same KV bytes (rate ``--unicache-rate``, int8), for
@@ -160,8 +161,12 @@ def _config(args, method: str, enabled: bool = True, kl_weight: float = 0.0, **x
             method=method,
             preset="text_style_baseline",
             unicache={"target_rate": args.unicache_rate, "quantize": {"bits": 8}},
-            xkv={"group_size": args.group_size, "rank_mode": "reduction",
-                 "reduction": args.reduction, **xkv},  # fmt: skip
+            xkv={
+                "group_size": args.group_size,
+                "rank_mode": "reduction",
+                "reduction": args.reduction,
+                **xkv,
+            },
             min_context=32,
             kl_weight=kl_weight,
         ),

@@ -115,7 +115,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluate a checkpoint: validation loss and perplexity; with ``--compression.rates``, also
     quality under KV compression at each rate (perplexity on continuations, key-value recall decoded
-    on the real compressed cache, attention and output KL, real KV bytes ratio, the pass/fail
+    on the real compressed cache, attention and output KL, real KV reduction, the pass/fail
     quality checks of docs/architecture.md#quality-checks), written as a table, a CSV and a PNG
     under ``--compression.out_dir``.
 

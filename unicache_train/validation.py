@@ -164,8 +164,8 @@ class ConfigBase:
     """
 
     #: Fields renamed since an earlier release, old name -> new name: :meth:`from_dict` refuses
-    #: an old name in one line that gives the new one (``compress.xkv.ratio was renamed to
-    #: compress.xkv.reduction``), instead of listing every known field.
+    #: an old name in one line that gives the new one (``XKVConfig.ratio was renamed to
+    #: XKVConfig.reduction``), instead of listing every known field.
     renamed_fields: ClassVar[dict[str, str]] = {}
 
     #: How error messages name this config as the root of :meth:`from_dict`: the class name by

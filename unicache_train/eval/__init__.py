@@ -1,7 +1,7 @@
 """Evaluation without a Trainer: one job per module; nothing here trains.
 
 - :mod:`~unicache_train.eval.perplexity`: validation perplexity (``unicache-train evaluate``).
-- :mod:`~unicache_train.eval.sweep`: quality under KV compression across rates and xKV ratios
+- :mod:`~unicache_train.eval.sweep`: quality under KV compression across rates and xKV reductions
   (``evaluate --compression.*``): perplexity on continuations, recall, attention and output KL,
   KV bytes, the quality checks.
 - :mod:`~unicache_train.eval.attn_kl`: attention KL between the plain and compressed forwards.

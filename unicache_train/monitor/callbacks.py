@@ -47,9 +47,10 @@ class _LayerProbe:
 
     Only the training forward counts, i.e. forwards that record autograd: a no-grad forward of
     the same layers in the same step (the uncompressed KL reference of the in-loop objective,
-    xKV's causal phase A) is ignored instead of overwriting the training forward's numbers.
-    When several recorded forwards run (xKV's exact phase A, then the in-loop forward), the last
-    one wins, and only its gradient hooks are kept.
+    xKV's recording pass with the causal gradient) is ignored instead of overwriting the
+    training forward's numbers. When several recorded forwards run (xKV's recording pass with
+    the exact gradient, then the compressed pass), the last one wins, and only its gradient
+    hooks are kept.
     """
 
     def __init__(self, layers: nn.ModuleList) -> None:
