@@ -11,7 +11,7 @@ from unicache_train.config import ModelConfig
 from unicache_train.model import Decoder, KVCache
 from unicache_train.model.attention import kv_bytes_per_token
 from unicache_train.model.kv_cache import LatentKVCache, new_kv_cache
-from unicache_train.seam import KVSegment
+from unicache_train.seam import KVSegment, RecordingCompressor
 
 VOCAB = 97
 
@@ -388,6 +388,35 @@ def test_unicache_pipeline_runs_on_the_latent_cache():
     assert out.compression_stats[0]["rate_realized"] > 0
     out.logits.float().pow(2).mean().backward()
     assert torch.isfinite(model.layers[0].self_attn.kv_a_proj_with_mqa.weight.grad).all()
+
+
+def test_latent_bytes_count_c_kv_once_in_the_uncompressed_cache():
+    """The uncompressed latent cache holds ``c_kv`` once (``kv_bytes_per_token``, the stats'
+    baseline); so does an untouched segment. A UniCache segment whose K and V were merged apart
+    stores both (docs/architecture.md#words; issue 18 would keep it at one copy)."""
+    from unicache_train.compress import UniCacheCompressor, UniCacheConfig
+    from unicache_train.compress.config import QuantizeConfig
+
+    torch.manual_seed(0)
+    cfg = mla_config(initializer_range=0.02)
+    R, Dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    assert kv_bytes_per_token(cfg) == (R + Dr) * 2
+    model = Decoder(cfg)
+    ids = torch.randint(0, VOCAB, (2, 40))
+    split = torch.tensor([30, 24])
+    n_ctx = int(split.sum())
+    plain = QuantizeConfig(bits=None)
+    rate0 = UniCacheCompressor(UniCacheConfig(rate_scale=0.0, quantize=plain))
+    for st in model(ids, split=split, compressor=rate0).compression_stats:
+        assert float(st["kv_bytes"]) == n_ctx * (R + Dr) * 2
+        assert float(st["kv_reduction"]) == 1.0
+    rec = RecordingCompressor(UniCacheCompressor(UniCacheConfig(quantize=plain)))
+    out = model(ids, split=split, compressor=rec)
+    for layer, st in enumerate(out.compression_stats):
+        entries = int(rec.segments[layer].valid.sum())
+        assert float(st["kv_bytes"]) == entries * (2 * R + Dr) * 2  # keys and values
+        want = n_ctx * (R + Dr) / (entries * (2 * R + Dr))
+        assert float(st["kv_reduction"]) == pytest.approx(want, rel=1e-6)
 
 
 def test_convert_recipe_config_loads():
