@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
-from unicache_train.monitor import metrics as M
+import unicache_train.monitor.metrics as M
 from unicache_train.monitor.gain import GainAlarm, mix_stats, rms
 
 log = logging.getLogger(__name__)
