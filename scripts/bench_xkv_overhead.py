@@ -52,7 +52,7 @@ from bench_common import (
 )
 
 from unicache_train.config import CompressionTrainConfig, ModelConfig, RunConfig
-from unicache_train.train.compression import compression_kl
+from unicache_train.inloop import compression_kl
 from unicache_train.train.module import LMModule, causal_lm_loss
 
 

@@ -79,7 +79,7 @@ def batches(data_cfg, n: int) -> list[dict[str, torch.Tensor]]:
 
 def analyse(model, data: list[dict[str, torch.Tensor]], rank_fraction: float) -> LayerAlignment:
     """Alignment over every sample of ``data`` (the whole non-padding sequence is the context)."""
-    from unicache_train.train.compression import IGNORE_INDEX
+    from unicache_train.inloop import IGNORE_INDEX
 
     keys, values, masks = None, None, []
     for b in data:

@@ -21,15 +21,15 @@ from unicache_train.config import (
     SyntheticDataConfig,
     TrainConfig,
 )
-from unicache_train.model import Decoder
-from unicache_train.model.generate import decode_teacher_forced, generate_compressed
-from unicache_train.train.compression import (
+from unicache_train.inloop import (
     compression_kl,
     continuation_mask,
     curriculum_scale,
     sample_splits,
     step_generator,
 )
+from unicache_train.model import Decoder
+from unicache_train.model.generate import decode_teacher_forced, generate_compressed
 from unicache_train.train.module import LMModule, causal_lm_loss
 
 

@@ -12,9 +12,9 @@ from unicache_train.compress.config import XKVConfig
 from unicache_train.compress.presets import text_style_baseline
 from unicache_train.compress.xkv import XKVCompressor, flatten_heads, layer_groups, select_rank
 from unicache_train.config import CompressionTrainConfig, ConfigError, ModelConfig, RunConfig
+from unicache_train.inloop import build_compressor, continuation_mask
 from unicache_train.model import Decoder
 from unicache_train.model.generate import decode_teacher_forced, generate_compressed
-from unicache_train.train.compression import build_compressor, continuation_mask
 from unicache_train.train.module import LMModule
 
 V = 97

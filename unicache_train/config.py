@@ -412,7 +412,7 @@ class CompressionTrainConfig(ConfigBase):
 
     When ``enabled``, every training step splits each sample at ``s``: tokens ``[0, s)`` are
     prefilled, their K/V are compressed at every layer, and tokens ``[s, T)`` attend to the
-    compressed cache (one parallel forward, see :mod:`unicache_train.train.compression`).
+    compressed cache (one parallel forward, see :mod:`unicache_train.inloop`).
 
     Attributes:
         enabled: run the in-loop path (off: the plain causal-LM step, unchanged).

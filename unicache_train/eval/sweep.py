@@ -56,6 +56,12 @@ from unicache_train.eval.attn_kl import AttentionInputs, layer_kls
 from unicache_train.eval.budget import measured_reduction, rate_for_reduction, unicache_at_rate
 from unicache_train.eval.report import log_rows
 from unicache_train.eval.synthetic_recall import recall_accuracy, synthetic_recall_records
+from unicache_train.inloop import (
+    compression_kl,
+    continuation_mask,
+    sample_splits,
+    step_generator,
+)
 from unicache_train.model import Decoder
 from unicache_train.model.loss import IGNORE_INDEX, masked_nll
 from unicache_train.seam import (
@@ -63,12 +69,6 @@ from unicache_train.seam import (
     KVCompressor,
     RecordingCompressor,
     pooled_kv_bytes,
-)
-from unicache_train.train.compression import (
-    compression_kl,
-    continuation_mask,
-    sample_splits,
-    step_generator,
 )
 from unicache_train.validation import check_choice, check_int, check_range
 

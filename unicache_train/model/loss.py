@@ -34,7 +34,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         labels: [B, T] next-token targets (already shifted), ``-100`` = ignore.
 
     Returns:
-        [] (NaN when nothing is labelled; :func:`~unicache_train.train.compression.
+        [] (NaN when nothing is labelled; :func:`~unicache_train.inloop.
         masked_lm_loss` returns 0 instead).
     """
     return _cross_entropy(logits, labels, "mean")

@@ -1,6 +1,6 @@
 """The LightningModule: causal-LM training of a :class:`~unicache_train.model.Decoder`, with
 optional KV compression in the loop (``RunConfig.compress``, see
-:mod:`unicache_train.train.compression`)."""
+:mod:`unicache_train.inloop`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from unicache_train.config import RunConfig
-from unicache_train.model import Decoder
-from unicache_train.model.loss import causal_lm_loss  # re-exported: recipes/scripts import it here
-from unicache_train.monitor.metrics import layer_mean_stats
-from unicache_train.train.compression import (
+from unicache_train.inloop import (
     IGNORE_INDEX,
     build_compressor,
     compression_kl,
@@ -27,6 +24,9 @@ from unicache_train.train.compression import (
     set_rate_scale,
     step_generator,
 )
+from unicache_train.model import Decoder
+from unicache_train.model.loss import causal_lm_loss  # re-exported: recipes/scripts import it here
+from unicache_train.monitor.metrics import layer_mean_stats
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -28,9 +28,9 @@ from unicache_train.config import (
 )
 from unicache_train.data.multimodal import MultimodalDataConfig, MultimodalDataModule
 from unicache_train.data.scenes import TASKS
+from unicache_train.inloop import IGNORE_INDEX
 from unicache_train.model.vision import VisionConfig
 from unicache_train.model.vlm import VisionLanguageModel
-from unicache_train.train.compression import IGNORE_INDEX
 from unicache_train.train.module import LMModule
 from unicache_train.validation import ConfigBase
 from unicache_train.validation import build_config as _build
