@@ -250,10 +250,13 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
+        ppl = (
+            "not measured" if math.isnan(r["ppl"])
+            else f"{r['ppl']:.2f} ({100 * r['ppl_delta']:+.1f}%)"
+        )  # fmt: skip
         lines.append(
             f"| {r['model']} | {r['method']} | {r['kv_reduction']:.2f}x | {r['task']} | "
-            f"{r['recall']:.2f} ± {r['recall_se']:.2f} (n={int(r['n'])}) | {r['ppl']:.2f} "
-            f"({100 * r['ppl_delta']:+.1f}%) |"
+            f"{r['recall']:.2f} ± {r['recall_se']:.2f} (n={int(r['n'])}) | {ppl} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -272,14 +275,17 @@ def write_results(
 
 def plot_results(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
     """Recall per task and held-out perplexity against the measured KV-bytes reduction, one
-    line per (model, method), each starting at that model's uncompressed point."""
+    line per (model, method), each starting at that model's uncompressed point; methods named
+    ``kvpress:...`` (anchors run elsewhere, recall only) are dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tasks = sorted({r["task"] for r in rows})
-    fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.4 * (len(tasks) + 1), 3.8))
+    fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.4 * (len(tasks) + 1) + 3.2, 4.2))
+    for ax in axes:  # one colour per line, the same line the same colour in every panel
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)
     lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         lines.setdefault((r["model"], r["method"]), []).append(r)
@@ -295,7 +301,7 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
             ax.errorbar(
                 [p["kv_reduction"] for p in pts], [p["recall"] for p in pts],
                 yerr=[p["recall_se"] for p in pts], marker="o", capsize=2,
-                label=f"{model} / {method}",
+                label=f"{model} / {method}", ls="--" if method.startswith("kvpress:") else "-",
             )  # fmt: skip
             ax.set_title(f"{task}: recall (± se)")
         pts = [base[(model, tasks[0])]] if (model, tasks[0]) in base else []
@@ -313,7 +319,10 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV bytes reduction (x, measured)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6)
+    axes[-1].legend(
+        *axes[0].get_legend_handles_labels(), fontsize=6, loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+    )  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
