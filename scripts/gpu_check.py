@@ -583,9 +583,9 @@ def section_compress(ctx: SimpleNamespace) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 
-def _synthetic_segment(B: int, Hk: int, M: int, D: int, split: torch.Tensor, dev, dtype):
-    """A compressed context of ``M`` entries per sample (the first ``M - B`` valid in sample 0,
-    all valid elsewhere: padding is exercised), merged counts 1..3."""
+def _synthetic_segment(B: int, Hk: int, M: int, D: int, dev: torch.device, dtype: torch.dtype):
+    """A compressed context of ``M`` entries per sample, keys/values [B, Hk, M, D]: the last
+    eighth of sample 0's entries are padding (invalid), merged counts 1..3."""
     from unicache_train.seam import KVSegment
 
     gen = torch.Generator().manual_seed(1)
@@ -625,7 +625,7 @@ def _seam_setting(ctx: SimpleNamespace, T: int) -> list[dict]:
     # Half the sequence is context, compressed 2x: M = T / 4 entries, continuation T / 2.
     split = torch.full((B,), T // 2, dtype=torch.long, device=dev)
     M = max(T // 4, 1)
-    seg = _synthetic_segment(B, Hk, M, D, split, dev, dtype)
+    seg = _synthetic_segment(B, Hk, M, D, dev, dtype)
     seg_k, seg_v = seg.keys.requires_grad_(True), seg.values.requires_grad_(True)
 
     def grad_step(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
