@@ -132,7 +132,8 @@ def timing_columns(case: Case, ref: Case, ref_label: str) -> dict[str, str]:
     }
 
 
-def machine_description() -> str:
+def machine_description(device: str = "cpu") -> str:
+    """CPU model, cores, torch version and threads (and the GPU's name for ``device="cuda"``)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -140,7 +141,10 @@ def machine_description() -> str:
     except (OSError, StopIteration):
         pass
     threads = torch.get_num_threads()
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads"
+    desc = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads"
+    if device == "cuda":
+        desc += f", {torch.cuda.get_device_name()}"
+    return desc
 
 
 def report(title: str, rows: list[dict[str, str]], name: str, setup: dict[str, Any]) -> Path:

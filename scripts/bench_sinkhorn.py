@@ -34,7 +34,6 @@ import argparse
 import csv
 import datetime as dt
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from bench_common import machine_description
 
 from unicache_train.ops import sinkhorn, sinkhorn_reference
 
@@ -163,20 +163,6 @@ def _saved_bytes(case: Case, x: torch.Tensor) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         case.forward(x)
     return total
-
-
-def machine_description(device: str) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    threads = torch.get_num_threads()
-    desc = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads"
-    if device == "cuda":
-        desc += f", {torch.cuda.get_device_name()}"
-    return desc
 
 
 def run(args) -> list[Case]:
