@@ -70,3 +70,35 @@ def test_settings_reach_their_byte_targets_with_their_storage(recipe) -> None:
     # int4 spends the byte budget on precision: far fewer tokens removed at the same target
     assert by[("unicache_q4", 4.0)].rate < 0.5 * by[("unicache", 4.0)].rate
     assert by[("unicache_q4", 4.0)].rate < by[("unicache_q4", 8.0)].rate
+
+
+def test_results_table_and_plot_take_kvpress_rows_and_several_tasks(tmp_path) -> None:
+    """kvpress rows (recall only) join the study table and plot; perplexity reads 'not measured'."""
+    sys.path.insert(0, str(RECIPE.parents[1] / "scripts"))
+    try:
+        from merge_results import kvpress_row
+    finally:
+        sys.path.pop(0)
+    from unicache_train.eval.report import read_results, write_results
+
+    def row(model, method, red, task, recall, ppl):
+        return {"model": model, "method": method, "target_reduction": red, "rate": 0.0,
+                "kv_reduction": red, "task": task, "recall": recall, "recall_se": 0.05, "n": 32,
+                "ppl": ppl, "ppl_se": 1.0, "ppl_delta": ppl / 8.0 - 1.0}  # fmt: skip
+
+    press = kvpress_row({
+        "model": "ft", "press": "SnapKVPress", "compression_ratio": "0.75", "kv_reduction": "4",
+        "task": "recall8", "recall": "0.125", "recall_se": "0.058", "n": "32",
+    })  # fmt: skip
+    assert press["method"] == "kvpress:SnapKV" and press["kv_reduction"] == 4.0
+    rows = [
+        row("ft", "none", 1.0, "recall8", 0.9, 8.0), row("ft", "none", 1.0, "recall16", 0.8, 8.0),
+        row("ft", "unicache_q4", 4.0, "recall8", 0.8, 8.6),
+        row("ft", "unicache_q4", 4.0, "recall16", 0.7, 8.6), press,
+    ]  # fmt: skip
+    write_results(rows, tmp_path, ["command: test"])
+    md = (tmp_path / "results.md").read_text()
+    assert "| ft | kvpress:SnapKV | 4.00x | recall8 | 0.12 ± 0.06 (n=32) | not measured |" in md
+    assert (tmp_path / "results.png").stat().st_size > 10_000
+    back = read_results(tmp_path / "results.csv")
+    assert [r["method"] for r in back] == [r["method"] for r in rows]

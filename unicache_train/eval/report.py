@@ -282,7 +282,7 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = sorted({r["task"] for r in rows})
+    tasks = list(dict.fromkeys(r["task"] for r in rows))  # in the order the rows give them
     fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.4 * (len(tasks) + 1) + 3.2, 4.2))
     for ax in axes:  # one colour per line, the same line the same colour in every panel
         ax.set_prop_cycle(color=plt.cm.tab20.colors)
@@ -304,10 +304,10 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
                 label=f"{model} / {method}", ls="--" if method.startswith("kvpress:") else "-",
             )  # fmt: skip
             ax.set_title(f"{task}: recall (± se)")
-        pts = [base[(model, tasks[0])]] if (model, tasks[0]) in base else []
-        pts = sorted(
-            pts + [r for r in rs if r["task"] == tasks[0]], key=lambda r: r["kv_reduction"]
-        )
+        # perplexity does not depend on the recall task: one task's rows of this line suffice
+        first = rs[0]["task"]
+        pts = [base[(model, first)]] if (model, first) in base else []
+        pts = sorted(pts + [r for r in rs if r["task"] == first], key=lambda r: r["kv_reduction"])
         axes[-1].plot(
             [p["kv_reduction"] for p in pts],
             [p["ppl"] for p in pts],
