@@ -92,6 +92,9 @@ CLI_CASES = {
     "evaluate rates out of range": (
         ["evaluate", "--checkpoint", "{ckpt}", "--compression.rates", "[1.5]"],
         "CompressionEvalConfig.rates: 1.5 is out of range; allowed [0, 0.95]"),
+    "evaluate old xkv_ratios": (
+        ["evaluate", "--checkpoint", "{ckpt}", "--compression.xkv_ratios", "[4]"],
+        "CompressionEvalConfig.xkv_ratios was renamed to CompressionEvalConfig.xkv_reductions"),
     "evaluate empty data file": (
         ["evaluate", "--checkpoint", "{ckpt}", "--data.source", "{empty}"],
         "DataConfig.source: '{empty}' has no records (the file is empty)"),

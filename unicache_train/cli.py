@@ -407,6 +407,24 @@ def user_error(err: BaseException) -> BaseException | None:
 
 T = TypeVar("T")
 
+#: command-line flags whose field was renamed (docs/architecture.md#words) -> the field's new name.
+#: jsonargparse would refuse them in its own multi-line message that never names the new field.
+_RENAMED_FLAGS = {
+    "--compression.xkv_ratios": ("CompressionEvalConfig.xkv_ratios", "xkv_reductions"),
+}
+
+
+def _refuse_renamed_flags(argv: list[str]) -> None:
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in _RENAMED_FLAGS:
+            old, new = _RENAMED_FLAGS[flag]
+            owner = old.rsplit(".", 1)[0]
+            raise ConfigError(
+                f"{old} was renamed to {owner}.{new} (docs/architecture.md#words); pass "
+                f"{flag.rsplit('.', 1)[0]}.{new}"
+            )
+
 
 def report_user_errors(fn: Callable[[], T]) -> T:
     """Run ``fn``; bad input ends the process with one line ``error: <message>`` on stderr and
@@ -426,7 +444,9 @@ def main(argv: list[str] | None = None) -> None:
     from jsonargparse import CLI
 
     def run() -> None:
-        args = _fold_compress_flags(list(sys.argv[1:] if argv is None else argv))
+        args = list(sys.argv[1:] if argv is None else argv)
+        _refuse_renamed_flags(args)
+        args = _fold_compress_flags(args)
         CLI(
             {"fit": fit, "pretrain": fit, "vlm": vlm, "evaluate": evaluate,
              "generate": generate, "export": export, "fetch": fetch},
