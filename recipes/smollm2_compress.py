@@ -73,8 +73,8 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 # unicache: text-style UniCache + int8; unicache_span: the same with span pooling;
 # unicache_q4: the same with int4 storage (the byte budget goes to precision before tokens);
 # xkv: cross-layer SVD (groups of 2)
-METHODS = ("unicache", "unicache_span", "unicache_q4", "xkv")
 _UNICACHE_QUANT = {"unicache": "int8", "unicache_span": "int8", "unicache_q4": "int4"}
+METHODS = (*_UNICACHE_QUANT, "xkv")
 
 
 def parse_setting(spec: str) -> tuple[str, float]:

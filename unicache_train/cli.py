@@ -407,23 +407,22 @@ def user_error(err: BaseException) -> BaseException | None:
 
 T = TypeVar("T")
 
-#: command-line flags whose field was renamed (docs/architecture.md#words) -> the field's new name.
-#: jsonargparse would refuse them in its own multi-line message that never names the new field.
-_RENAMED_FLAGS = {
-    "--compression.xkv_ratios": ("CompressionEvalConfig.xkv_ratios", "xkv_reductions"),
-}
+#: ``--SECTION.`` prefix -> the config whose ``renamed_fields`` its flags are checked against.
+#: jsonargparse refuses an old flag in its own multi-line message that never names the new field.
+_RENAMED_FLAG_SECTIONS = {"--compression.": CompressionEvalConfig}
 
 
 def _refuse_renamed_flags(argv: list[str]) -> None:
     for arg in argv:
         flag = arg.split("=", 1)[0]
-        if flag in _RENAMED_FLAGS:
-            old, new = _RENAMED_FLAGS[flag]
-            owner = old.rsplit(".", 1)[0]
-            raise ConfigError(
-                f"{old} was renamed to {owner}.{new} (docs/architecture.md#words); pass "
-                f"{flag.rsplit('.', 1)[0]}.{new}"
-            )
+        for prefix, cls in _RENAMED_FLAG_SECTIONS.items():
+            old = flag.removeprefix(prefix)
+            if flag.startswith(prefix) and old in cls.renamed_fields:
+                new = cls.renamed_fields[old]
+                raise ConfigError(
+                    f"{cls.__name__}.{old} was renamed to {cls.__name__}.{new} "
+                    f"(docs/architecture.md#words); pass {prefix}{new}"
+                )
 
 
 def report_user_errors(fn: Callable[[], T]) -> T:

@@ -47,7 +47,7 @@ import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -132,6 +132,8 @@ class CompressionEvalConfig:
     out_dir: str = "eval_compress"
     name: str = "compression_eval"
     xkv_reductions: list[float] = field(default_factory=list)
+    #: old field -> new field (docs/architecture.md#words); the CLI refuses the old flag by name
+    renamed_fields: ClassVar[dict[str, str]] = {"xkv_ratios": "xkv_reductions"}
     xkv: dict[str, Any] = field(default_factory=dict)
     xkv_token_rate: float | None = None
     match_unicache: bool = True
