@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from unicache_train.checkpoint.hf import export_hf
+from unicache_train.checkpoint.policy import policy_of
 from unicache_train.config import ConfigError, RunConfig
 from unicache_train.recipe import build_section, parse_recipe_args, run_sections
 from unicache_train.train.from_hf import prepare_hf_run
@@ -91,7 +92,10 @@ def main(argv: list[str] | None = None):
     if hf["export_dir"] and trainer.is_global_zero:
         family = hf["export_family"] or _source_family(Path(hf["checkpoint_dir"]))
         model = trainer.lightning_module.model.float().eval()
+        # The policy the model was tuned for travels with it (compression_config.json; read by
+        # unicache_train.transformers_cache.CompressedCache and `unicache-train generate`).
         export_hf(model, hf["export_dir"], family=family, dtype=hf["export_dtype"],
+                  compression_policy=policy_of(config.compress),
                   tokenizer_from=config.data.tokenizer)  # fmt: skip
     return trainer
 

@@ -162,6 +162,7 @@ def finetune(kind: str, ckpt_dir: Path, run: dict[str, Any], study, method_cfg, 
     """Fine-tune with the in-loop compressor (``compress``) or nothing compressed
     (``control``); return the fine-tuned model (fp32, eval mode) and its export directory."""
     from unicache_train.checkpoint.hf import export_hf
+    from unicache_train.checkpoint.policy import policy_of
     from unicache_train.data.recall_mix import write_recall_mix
     from unicache_train.eval import RecallTask
     from unicache_train.train.from_hf import prepare_hf_run
@@ -189,7 +190,8 @@ def finetune(kind: str, ckpt_dir: Path, run: dict[str, Any], study, method_cfg, 
     trainer = fit(config)
     model = trainer.lightning_module.model.float().eval()
     export = out / kind / "export"
-    export_hf(model, export, family="llama", tokenizer_from=config.data.tokenizer)
+    export_hf(model, export, family="llama", compression_policy=policy_of(config.compress),
+              tokenizer_from=config.data.tokenizer)  # fmt: skip
     return model, export
 
 

@@ -23,6 +23,7 @@ from unicache_train.checkpoint.hf import (
     write_compression_config,
 )
 from unicache_train.checkpoint.lightning_ckpt import load_checkpoint
+from unicache_train.checkpoint.policy import policy_of
 from unicache_train.config import RunConfig
 
 __all__ = ["EXPORT_FORMATS", "export_checkpoint", "compression_policy_of"]
@@ -32,14 +33,7 @@ EXPORT_FORMATS = ("hf", "deepseek_v3")
 
 def compression_policy_of(config: RunConfig) -> dict[str, Any] | None:
     """The in-loop compression policy a run trained with (None when compression was off)."""
-    cc = config.compress
-    if not cc.enabled:
-        return None
-    unicache = cc.unicache.to_dict() if hasattr(cc.unicache, "to_dict") else cc.unicache
-    policy = {"method": cc.method, "preset": cc.preset, "unicache": unicache}
-    if "xkv" in cc.method:  # the cross-layer SVD setting the model was tuned for
-        policy["xkv"] = cc.xkv.to_dict() if hasattr(cc.xkv, "to_dict") else cc.xkv
-    return policy
+    return policy_of(config.compress)
 
 
 def export_checkpoint(

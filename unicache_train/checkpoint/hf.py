@@ -20,8 +20,17 @@ Our ``attention_bias`` is q/k/v only, so an imported ``o_proj.bias`` is refused 
 zeros, and export writes zero ``o_proj`` biases (and zero q/k/v biases for Qwen2 when our model
 has none): exact, not approximate.
 
+RoPE scaling (``rope_parameters`` / legacy ``rope_scaling``): ``default``, ``linear``, ``dynamic``,
+``llama3`` and ``yarn`` import into :class:`~unicache_train.config.RopeScalingConfig` and export
+back (:func:`rope_from_hf`, :func:`rope_to_hf`); defaults are resolved as transformers does
+(``original_max_position_embeddings``: the top-level field, else the rope dict's, else
+``max_position_embeddings``; a YaRN ``factor`` of null: their ratio). Export writes the rope dict
+as ``rope_parameters`` and, for a scaled model, also as the legacy ``rope_scaling`` (older
+transformers and vLLM read that one).
+
 Anything we cannot represent raises :class:`HFCheckpointError` naming the field or tensor:
-unknown ``model_type``/architecture, RoPE scaling, partial rotary, a sliding window in use,
+unknown ``model_type``/architecture, other RoPE types (``longrope``, ...), partial rotary, a
+sliding window in use,
 non-SiLU activations, missing / unexpected / mis-shaped tensors, tensors that are not floating
 point (integer or quantised weights would be silently cast), tensors holding NaN or Inf, and
 unreadable (truncated or corrupted) safetensors files. Nothing is loaded partially: every tensor
@@ -54,7 +63,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from unicache_train.checkpoint import serving
-from unicache_train.config import ConfigError, ModelConfig
+from unicache_train.checkpoint.policy import (  # noqa: F401  (re-exported)
+    COMPRESSION_SCHEMA_VERSION,
+    write_compression_config,
+)
+from unicache_train.config import (
+    ROPE_TYPE_FIELDS,
+    ROPE_TYPES,
+    ConfigError,
+    ModelConfig,
+    RopeScalingConfig,
+)
 from unicache_train.model import Decoder
 
 __all__ = [
@@ -63,6 +82,8 @@ __all__ = [
     "HFCheckpointError",
     "from_hf_config",
     "to_hf_config",
+    "rope_from_hf",
+    "rope_to_hf",
     "from_hf_state_dict",
     "to_hf_state_dict",
     "load_safetensors_dir",
@@ -82,7 +103,6 @@ FAMILIES: dict[str, str] = {
 }
 MHC_MODEL_TYPE = "unicache_mhc"
 MHC_ARCHITECTURE = "UnicacheMhcForCausalLM"
-COMPRESSION_SCHEMA_VERSION = 1
 _REMOTE_CODE = Path(__file__).parent / "remote_code"
 # Buffers some older checkpoints carry; recomputed by us, never weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -105,6 +125,79 @@ def _rope(hf: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
     rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type")
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     return rope_type or "default", float(theta), {**legacy, **params}
+
+
+def rope_from_hf(
+    hf: dict[str, Any], error: type[ValueError] = HFCheckpointError
+) -> tuple[float, RopeScalingConfig]:
+    """(``rope_theta``, :class:`RopeScalingConfig`) from an HF ``config.json`` dict.
+
+    Reads only the keys the ``rope_type`` uses (transformers ignores the others, with a
+    warning) and resolves defaults as transformers does: ``original_max_position_embeddings``
+    from the top level (transformers gives it priority), else the rope dict, else
+    ``max_position_embeddings``; a YaRN ``factor`` of null is their ratio; YaRN's ``beta_fast`` /
+    ``beta_slow`` of null or 0 are 32 / 1.
+
+    Args:
+        hf: the ``config.json`` dict (v5 ``rope_parameters`` or legacy ``rope_scaling``).
+        error: the exception class to raise (the DeepseekV3 importer passes its own).
+
+    Raises:
+        error: a ``rope_type`` we do not compute, a missing required key, or a value
+            :class:`RopeScalingConfig` refuses (the message names the key and value).
+    """
+    rope_type, theta, params = _rope(hf)
+    if rope_type not in ROPE_TYPES:
+        raise error(
+            f"config.json rope_parameters.rope_type={rope_type!r} is not implemented; "
+            f"supported: {list(ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, RopeScalingConfig()
+    used = ROPE_TYPE_FIELDS[rope_type]
+    kw: dict[str, Any] = {k: params[k] for k in used if params.get(k) is not None}
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+    if "original_max_position_embeddings" in used:
+        original = hf.get("original_max_position_embeddings")
+        if original is None:
+            original = params.get("original_max_position_embeddings") or max_pos
+        kw["original_max_position_embeddings"] = int(original)
+    if rope_type == "yarn":
+        if kw.get("factor") is None:
+            kw["factor"] = max_pos / kw["original_max_position_embeddings"]
+        kw["beta_fast"] = params.get("beta_fast") or 32.0
+        kw["beta_slow"] = params.get("beta_slow") or 1.0
+    required = ["factor"] + (["low_freq_factor", "high_freq_factor"] * (rope_type == "llama3"))
+    missing = [k for k in required if k not in kw]
+    if missing:
+        raise error(
+            f"config.json rope_parameters (rope_type={rope_type!r}) lacks {missing}; "
+            f"{rope_type} reads {list(used)}"
+        )
+    for k in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+              "mscale", "mscale_all_dim", "attention_factor"):
+        if isinstance(kw.get(k), int) and not isinstance(kw[k], bool):
+            kw[k] = float(kw[k])  # JSON writes 8.0 as 8 sometimes; our fields are floats
+    try:
+        return theta, RopeScalingConfig(rope_type=rope_type, **kw)
+    except ConfigError as err:
+        raise error(f"config.json rope_parameters is not representable: {err}") from err
+
+
+def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """Our RoPE fields -> the HF ``rope_parameters`` dict (``rope_type``, ``rope_theta`` and the
+    keys that type reads; ``original_max_position_embeddings`` resolved, ``truncate`` written
+    only when False, its transformers default being True)."""
+    scaling = config.rope_scaling
+    out: dict[str, Any] = {"rope_type": scaling.rope_type, "rope_theta": float(config.rope_theta)}
+    for name in ROPE_TYPE_FIELDS[scaling.rope_type]:
+        value = getattr(scaling, name)
+        if name == "original_max_position_embeddings" and value is None:
+            value = config.max_position_embeddings
+        if value is None or (name == "truncate" and value):
+            continue
+        out[name] = value
+    return out
 
 
 def from_hf_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
@@ -161,12 +254,8 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
 
 
 def _check_common(hf: dict[str, Any]) -> None:
-    rope_type, _, params = _rope(hf)
-    if rope_type != "default":
-        raise HFCheckpointError(
-            f"config.json rope_parameters.rope_type={rope_type!r}: RoPE scaling is not "
-            "implemented; only 'default' RoPE can be imported"
-        )
+    _, _, params = _rope(hf)
+    rope_from_hf(hf)  # raises on a rope type or rope key we cannot represent
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise HFCheckpointError(
@@ -178,7 +267,7 @@ def _check_common(hf: dict[str, Any]) -> None:
 
 
 def _model_config(hf: dict[str, Any], **extra: Any) -> ModelConfig:
-    _, theta, _ = _rope(hf)
+    theta, rope_scaling = rope_from_hf(hf)
     H = int(hf["num_attention_heads"])
     C = int(hf["hidden_size"])
     head_dim = hf.get("head_dim")
@@ -195,6 +284,7 @@ def _model_config(hf: dict[str, Any], **extra: Any) -> ModelConfig:
             head_dim=None if head_dim is None else int(head_dim),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             rope_theta=theta,
+            rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             initializer_range=float(hf.get("initializer_range", 0.02)),
@@ -208,6 +298,8 @@ def _model_config(hf: dict[str, Any], **extra: Any) -> ModelConfig:
 
 def _from_mhc_config(hf: dict[str, Any]) -> ModelConfig:
     _check_common(hf)
+    # MoE FFN fields (absent in dense exports: n_routed_experts = 0).
+    moe = {k: hf[k] for k in _MHC_MOE_FIELDS if k in hf and hf.get("n_routed_experts")}
     return _model_config(
         hf,
         attention_bias=bool(hf.get("attention_bias", False)),
@@ -217,7 +309,23 @@ def _from_mhc_config(hf: dict[str, Any]) -> ModelConfig:
         hc_mult=int(hf["hc_mult"]),
         hc_sinkhorn_iters=int(hf["hc_sinkhorn_iters"]),
         hc_eps=float(hf["hc_eps"]),
+        **moe,
     )
+
+
+# ModelConfig's MoE fields our mHC format writes to config.json (same names, as DeepseekV3).
+_MHC_MOE_FIELDS = ("n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+                   "moe_intermediate_size", "first_k_dense_replace", "n_group", "topk_group",
+                   "norm_topk_prob", "routed_scaling_factor")  # fmt: skip
+
+
+def _mhc_moe_config(config: ModelConfig) -> dict[str, Any]:
+    """The MoE fields of an mHC export (none for a dense model); expert width resolved."""
+    if not config.uses_moe:
+        return {}
+    out = {k: getattr(config, k) for k in _MHC_MOE_FIELDS}
+    out["moe_intermediate_size"] = config.expert_intermediate_size
+    return out
 
 
 def _check_family(config: ModelConfig, family: str) -> None:
@@ -225,6 +333,12 @@ def _check_family(config: ModelConfig, family: str) -> None:
         raise HFCheckpointError(
             f"ModelConfig.attention_type={config.attention_type!r}: MLA models export with "
             "unicache_train.checkpoint.deepseek_v3.export_deepseek_v3 (--format deepseek_v3)"
+        )
+    if config.uses_moe and not config.uses_streams:
+        raise HFCheckpointError(
+            f"ModelConfig.n_routed_experts={config.n_routed_experts}: family={family!r} has no "
+            "DeepSeek MoE FFN; an MoE model exports as deepseek_v3 (MLA attention) or, with "
+            "mHC streams, as our unicache_mhc format"
         )
     if config.uses_streams:
         if config.residual_mode != "mhc" or config.hc_preset != "deepseek_v4":
@@ -275,8 +389,8 @@ def to_hf_config(
         "initializer_range": config.initializer_range,
         "rms_norm_eps": config.rms_norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,
-        # v5 reads rope_parameters; vLLM / older transformers read rope_theta.
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(config.rope_theta)},
+        # v5 reads rope_parameters; vLLM / older transformers read rope_theta (and rope_scaling).
+        "rope_parameters": rope_to_hf(config),
         "rope_theta": float(config.rope_theta),
         "attention_dropout": 0.0,
         "bos_token_id": bos_token_id,
@@ -292,6 +406,7 @@ def to_hf_config(
             hc_mult=config.hc_mult,
             hc_sinkhorn_iters=config.hc_sinkhorn_iters,
             hc_eps=config.hc_eps,
+            **_mhc_moe_config(config),
             auto_map={
                 "AutoConfig": "configuration_unicache_mhc.UnicacheMhcConfig",
                 "AutoModelForCausalLM": f"modeling_unicache_mhc.{MHC_ARCHITECTURE}",
@@ -307,6 +422,9 @@ def to_hf_config(
                    layer_types=["full_attention"] * config.num_hidden_layers)
     if family == "mistral" and not mhc:
         out["sliding_window"] = None
+    if config.rope_scaling.rope_type != "default":
+        # Legacy key of older transformers / vLLM (v5 prefers it when present: same content).
+        out["rope_scaling"] = {k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}
     return out
 
 
@@ -588,7 +706,9 @@ def export_hf(
     source = serving.tokenizer_source(model, tokenizer_from)
     target = _dtype_name(dtype, model)
     sd = to_hf_state_dict(model, family)
-    sd = {k: (v if _is_hc(k) else v.to(target)) for k, v in sd.items()}
+    # NOTE: the MoE router (gate weight, correction bias) stays fp32 too, as transformers'
+    # DeepseekV3 keeps it: the bias moves below bf16's resolution.
+    sd = {k: (v if _is_hc(k) or k.endswith(_ROUTER) else v.to(target)) for k, v in sd.items()}
     hf_config = to_hf_config(model.config, family, dtype=str(target).removeprefix("torch."))
     hf_config.update(serving.special_token_ids(
         source, model.config.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
@@ -608,29 +728,11 @@ def export_hf(
     return out
 
 
+_ROUTER = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
+
+
 def _is_hc(name: str) -> bool:
     return ".attn_hc." in name or ".ffn_hc." in name or ".hc_head." in name
-
-
-def write_compression_config(policy: dict[str, Any], out_dir: str | Path) -> Path:
-    """Serialise a compression policy next to exported weights (``compression_config.json``)."""
-    if dataclasses.is_dataclass(policy) and not isinstance(policy, type):
-        policy = dataclasses.asdict(policy)
-    if not isinstance(policy, dict):
-        raise HFCheckpointError(f"compression policy must be a dict, got {type(policy).__name__}")
-    doc = {
-        "schema_version": COMPRESSION_SCHEMA_VERSION,
-        "format": "unicache_compression",
-        "library": "unicache_train",
-        "policy": policy,
-    }
-    try:
-        text = json.dumps(doc, indent=2, sort_keys=False)
-    except TypeError as err:
-        raise HFCheckpointError(f"compression policy is not JSON-serialisable: {err}") from err
-    file = Path(out_dir) / "compression_config.json"
-    file.write_text(text + "\n")
-    return file
 
 
 # --------------------------------------------------------------------------- head merging

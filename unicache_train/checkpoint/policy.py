@@ -1,0 +1,133 @@
+"""The compression policy that travels with an export: ``compression_config.json``.
+
+Written by every export of a run that trained with KV compression in the loop
+(:func:`policy_of`), read back by the serving side (:func:`read_policy`,
+:func:`compressor_from_policy`): the transformers cache of
+:mod:`unicache_train.transformers_cache` and ``unicache-train generate --export``. The file::
+
+    {"schema_version": 1, "format": "unicache_compression", "library": "unicache_train",
+     "policy": {"method": "unicache" | "xkv" | "unicache+xkv" | "none",
+                "preset": "<UniCache preset>",
+                "unicache": {<the resolved UniCacheConfig>},
+                "xkv": {<the resolved XKVConfig>}           (xKV methods only)}}
+
+The policy holds resolved configurations (every field), so a reader rebuilds exactly the
+compressor the run trained with, whatever the defaults of the reading version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from unicache_train.config import COMPRESS_METHODS, CompressionTrainConfig
+from unicache_train.validation import ConfigError
+
+__all__ = [
+    "COMPRESSION_CONFIG",
+    "write_compression_config",
+    "COMPRESSION_SCHEMA_VERSION",
+    "policy_of",
+    "read_policy",
+    "compressor_from_policy",
+]
+
+COMPRESSION_CONFIG = "compression_config.json"
+COMPRESSION_SCHEMA_VERSION = 1
+
+
+def policy_of(compress: CompressionTrainConfig) -> dict[str, Any] | None:
+    """The in-loop compression policy of a run's ``compress`` section (None when it is off)."""
+    if not compress.enabled:
+        return None
+    # unicache / xkv are resolved configurations after validation: every field is written.
+    policy = {"method": compress.method, "preset": compress.preset,
+              "unicache": compress.unicache.to_dict()}  # fmt: skip
+    if "xkv" in compress.method:  # the cross-layer SVD setting the model was tuned for
+        policy["xkv"] = compress.xkv.to_dict()
+    return policy
+
+
+def write_compression_config(policy: dict[str, Any], out_dir: str | Path) -> Path:
+    """Serialise a compression policy next to exported weights (``compression_config.json``).
+
+    Raises:
+        ConfigError: the policy is not a mapping (or dataclass) of JSON-serialisable values.
+    """
+    if dataclasses.is_dataclass(policy) and not isinstance(policy, type):
+        policy = dataclasses.asdict(policy)
+    if not isinstance(policy, dict):
+        raise ConfigError(f"compression policy must be a dict, got {type(policy).__name__}")
+    doc = {
+        "schema_version": COMPRESSION_SCHEMA_VERSION,
+        "format": "unicache_compression",
+        "library": "unicache_train",
+        "policy": policy,
+    }
+    try:
+        text = json.dumps(doc, indent=2, sort_keys=False)
+    except TypeError as err:
+        raise ConfigError(f"compression policy is not JSON-serialisable: {err}") from err
+    file = Path(out_dir) / COMPRESSION_CONFIG
+    file.write_text(text + "\n")
+    return file
+
+
+def read_policy(export_dir: str | Path) -> dict[str, Any] | None:
+    """The policy in ``export_dir/compression_config.json``; None when the file is absent (the
+    export was not trained with compression).
+
+    Raises:
+        ConfigError: the file is not a unicache compression config of a schema we read, or its
+            method is unknown.
+    """
+    file = Path(export_dir) / COMPRESSION_CONFIG
+    if not file.is_file():
+        return None
+    try:
+        doc = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{file} is not valid JSON: {err}") from err
+    if not isinstance(doc, dict) or doc.get("format") != "unicache_compression":
+        raise ConfigError(
+            f"{file}: format={doc.get('format') if isinstance(doc, dict) else None!r}; expected "
+            "'unicache_compression'"
+        )
+    version = doc.get("schema_version")
+    if version != COMPRESSION_SCHEMA_VERSION:
+        raise ConfigError(
+            f"{file}: schema_version={version!r}; this version of unicache_train reads "
+            f"{COMPRESSION_SCHEMA_VERSION}"
+        )
+    policy = doc.get("policy")
+    if not isinstance(policy, dict):
+        raise ConfigError(f"{file}: 'policy' must be a mapping, got {type(policy).__name__}")
+    method = policy.get("method")
+    if method not in COMPRESS_METHODS:
+        raise ConfigError(
+            f"{file}: policy.method={method!r}; allowed: {list(COMPRESS_METHODS)}"
+        )
+    return policy
+
+
+def compression_config_of(policy: dict[str, Any] | None) -> CompressionTrainConfig:
+    """The ``compress`` section a policy describes (``enabled=False`` for None)."""
+    if policy is None or policy.get("method") == "none":
+        return CompressionTrainConfig(enabled=False, method="none")
+    return CompressionTrainConfig(
+        enabled=True,
+        method=policy["method"],
+        preset=policy.get("preset", "default"),
+        unicache=policy.get("unicache"),
+        xkv=policy.get("xkv"),
+    )
+
+
+def compressor_from_policy(policy: dict[str, Any] | None):
+    """The KV compressor a policy describes: exactly the one its run trained with
+    (:func:`unicache_train.inloop.build_compressor`); the identity for None / ``"none"``."""
+    from unicache_train.inloop import build_compressor
+
+    return build_compressor(compression_config_of(policy))

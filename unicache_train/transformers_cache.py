@@ -1,0 +1,398 @@
+"""The trained-for KV compression in stock transformers ``generate()``.
+
+A model fine-tuned with compression in the loop is exported with its policy
+(``compression_config.json``, :mod:`unicache_train.checkpoint.policy`). :class:`CompressedCache`
+reads it and applies exactly that pipeline inside transformers: the prompt's K/V are compressed
+after the prefill (UniCache's token plan, head merging, packed int8/int4 storage with its scales,
+the ``log(count)`` bias on merged entries; xKV's cross-layer factors; nothing when the policy is
+off) and the model decodes on the compressed cache::
+
+    from transformers import AutoModelForCausalLM
+    from unicache_train.transformers_cache import ATTN_IMPLEMENTATION, CompressedCache
+
+    model = AutoModelForCausalLM.from_pretrained(DIR, attn_implementation=ATTN_IMPLEMENTATION)
+    cache = CompressedCache.from_pretrained(DIR)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False)
+    cache.kv_bytes(), cache.baseline_bytes()          # what the compressed context stores
+
+Two public extension points of transformers carry it, no module is patched:
+
+- the cache interface (:class:`transformers.Cache` with one :class:`CompressedLayer` per
+  decoder layer): the prefill's ``update`` keeps the prompt's K/V for full causal attention,
+  decode steps append to ``[compressed segment ; decoded tokens]``;
+- the attention-function registry (``AttentionInterface``, name :data:`ATTN_IMPLEMENTATION`):
+  :func:`compressed_attention` attends with our own mask. In the prefill it is plain causal
+  attention (left padding respected) and hands each layer's queries/keys/values to the
+  compressor; in decode steps it adds the cache's bias (``log(count)`` on merged entries, invalid
+  segment slots masked, causal over decoded tokens). The stock SDPA mask builder is registered
+  under the same name, so the prefill receives the padding (left padding in batched prompts).
+
+What ``generate`` does and what our decoding loop (:func:`unicache_train.model.generate_compressed`)
+does are the same computation: the compressor receives the same
+:class:`~unicache_train.seam.CompressionInput` (each prompt moved to the front of the padded
+batch, as our right-padded prefill lays it out) and the decode steps read the same
+:class:`~unicache_train.model.compressed_cache.StoredSegment`. Tested in
+``tests/test_transformers_cache.py`` (logits <= 1e-4, greedy tokens equal, byte counts equal).
+
+Supported: Llama, Qwen2, Qwen3, Mistral exports and our mHC remote-code export, transformers
+5.2 (tested in CI's kvpress environment when present) to 5.24 (the project's). Not supported:
+MLA (DeepseekV3) exports, beam search (``reorder_cache``), chunked prefill (the prompt must go in
+one forward, as ``generate`` does), sliding-window layers.
+
+Imports torch, transformers and the compression package only (no Lightning).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from unicache_train.checkpoint.policy import compressor_from_policy, read_policy
+from unicache_train.model.compressed_cache import CompressedKVCache, StoredSegment
+from unicache_train.ops.rope import apply_rope
+from unicache_train.seam import (
+    CompressionInput,
+    KVCompressor,
+    RecordedContext,
+    find_cross_layer,
+    identity_segment,
+)
+
+__all__ = ["ATTN_IMPLEMENTATION", "CompressedCache", "CompressedLayer", "compressed_attention"]
+
+ATTN_IMPLEMENTATION = "unicache_compressed"
+
+# The (cache, layer) whose ``update`` ran last: the attention call of that layer follows it
+# directly in every supported model's attention forward (q/k/v -> cache.update -> attention).
+_ACTIVE: contextvars.ContextVar[tuple[CompressedCache, int] | None] = contextvars.ContextVar(
+    "unicache_active_cache", default=None
+)
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One decoder layer's view of a :class:`CompressedCache` (state lives in the cache)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: CompressedCache, layer_idx: int) -> None:
+        super().__init__()
+        self._cache = cache
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
+        return self._cache._update(key_states, value_states, self.layer_idx)
+
+    def get_seq_length(self, *args: Any) -> int:
+        return self._cache._seen[self.layer_idx]
+
+    def get_mask_sizes(self, query: Any, *args: Any) -> tuple[int, int]:
+        # transformers >= 5.3 passes the query length, 5.2 the cache positions.
+        q = query if isinstance(query, int) else int(query.shape[0])
+        return self._cache._attended(self.layer_idx) + q, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("CompressedCache does not support beam search")
+
+    def reset(self) -> None:
+        self._cache.reset()
+
+
+class CompressedCache(Cache):
+    """A transformers cache that compresses the prompt's K/V with a trained policy.
+
+    Args:
+        compressor: the KV compressor (``from_pretrained`` builds it from the export's policy).
+        num_layers: decoder depth.
+        rope: ``(positions [B, M], dtype) -> (cos, sin)`` of the model's rotary table; needed
+            only by compressors that work on pre-RoPE keys (xKV with ``keys_pre_rope``).
+        cache_dtype_bytes: bytes per element of the deployed floating cache (byte accounting).
+        policy: the policy the compressor came from (kept for ``repr`` and reports).
+    """
+
+    def __init__(
+        self,
+        compressor: KVCompressor,
+        num_layers: int,
+        *,
+        rope: Any = None,
+        cache_dtype_bytes: int = 2,
+        policy: dict[str, Any] | None = None,
+    ) -> None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers={num_layers} must be >= 1")
+        super().__init__(layers=[CompressedLayer(self, i) for i in range(num_layers)])
+        self.compressor = compressor
+        self.cross = find_cross_layer(compressor)
+        self.pre_rope = bool(getattr(compressor, "pre_rope", False))
+        if self.pre_rope and rope is None:
+            raise ValueError("a pre-RoPE compressor needs the model's rotary table (rope=...)")
+        self.rope = rope
+        self.policy = policy
+        self.num_layers = num_layers
+        self.cache_dtype_bytes = cache_dtype_bytes
+        self.reset()
+
+    # ------------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> CompressedCache:
+        """The cache of an export directory: its ``compression_config.json`` (absent: the
+        identity, a plain cache) and its ``config.json`` (depth, rotary table).
+
+        Raises:
+            ConfigError: a malformed ``compression_config.json``.
+            NotImplementedError: an MLA (DeepseekV3) export.
+        """
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file} does not exist: not an export directory")
+        hf = json.loads(config_file.read_text())
+        if hf.get("model_type") == "deepseek_v3":
+            raise NotImplementedError(
+                "CompressedCache does not serve MLA (DeepseekV3) exports: their latent cache is "
+                "not compressed at inference yet"
+            )
+        from unicache_train.checkpoint.hf import from_hf_config
+
+        model_config, _ = from_hf_config(hf)
+        policy = read_policy(path)
+        compressor = compressor_from_policy(policy)
+        rope = None
+        if getattr(compressor, "pre_rope", False):
+            from unicache_train.model.rope import RotaryEmbedding
+
+            rope = RotaryEmbedding(model_config.head_size, model_config.rope_theta)
+        return cls(compressor, model_config.num_hidden_layers, rope=rope, policy=policy, **kwargs)
+
+    def reset(self) -> None:
+        """Forget everything (a new prompt)."""
+        self.inner = CompressedKVCache(self.num_layers, self.cache_dtype_bytes)
+        self._seen = [0] * self.num_layers
+        self._prefill: dict[int, dict[str, Any]] = {}
+        self._inputs: dict[int, CompressionInput] = {}
+        self.stats: list[dict[str, torch.Tensor]] = []
+
+    def __repr__(self) -> str:
+        method = (self.policy or {}).get("method", "none")
+        return f"CompressedCache(method={method!r}, layers={self.num_layers})"
+
+    # -------------------------------------------------------------------- transformers API
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen (prompt + decoded): the next token's position, as transformers expects;
+        the attended entries are fewer (see :meth:`kv_bytes`)."""
+        return self._seen[layer_idx]
+
+    def _attended(self, layer_idx: int) -> int:
+        seg = self.inner.segments[layer_idx]
+        return self._seen[layer_idx] if seg is None else self.inner.length(layer_idx)
+
+    def _update(
+        self, k: torch.Tensor, v: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [B, Hk, T, D] post-RoPE -> what this call attends to."""
+        _ACTIVE.set((self, layer_idx))
+        T = k.shape[2]
+        if self.inner.segments[layer_idx] is None:
+            if layer_idx in self._prefill or self._seen[layer_idx]:
+                raise RuntimeError(
+                    "CompressedCache got a second forward before the prefill of every layer was "
+                    "compressed: prefill the prompt in one call, with attn_implementation="
+                    f"{ATTN_IMPLEMENTATION!r} (model.set_attn_implementation)"
+                )
+            self._prefill[layer_idx] = {"k": k, "v": v}
+            self._seen[layer_idx] += T
+            return k, v
+        self._seen[layer_idx] += T
+        return self.inner.update(layer_idx, k, v)
+
+    # --------------------------------------------------------------------- compression
+    def _compress_prefill(
+        self, layer_idx: int, q: torch.Tensor, valid: torch.Tensor
+    ) -> None:
+        """Compress one layer's prompt K/V (or record it, for a cross-layer compressor).
+
+        q: [B, H, P, D] post-RoPE queries; valid: [B, P] bool, real (non-padding) tokens.
+        The batch is re-laid out as our right-padded prefill sees it: each prompt's tokens
+        first, in order, positions ``0 .. n_b - 1``.
+        """
+        state = self._prefill.pop(layer_idx)
+        k, v = state["k"], state["v"]
+        B, _, P, _ = k.shape
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # real first
+        n = valid.sum(1)  # [B]
+
+        def front(x: torch.Tensor) -> torch.Tensor:  # [B, H, P, D] -> same, real tokens first
+            return x.gather(2, order[:, None, :, None].expand_as(x))
+
+        q, k, v = front(q), front(k), front(v)
+        positions = torch.arange(P, device=k.device).expand(B, P)
+        if self.pre_rope:
+            cos, sin = self.rope(positions, torch.float32)
+            k = apply_rope(k.float(), cos, -sin).to(v.dtype)  # back to pre-RoPE keys
+        inp = CompressionInput(
+            layer_idx=layer_idx,
+            num_layers=self.num_layers,
+            queries=q,
+            keys=k,
+            values=v,
+            positions=positions,
+            modality_ids=torch.zeros_like(positions),
+            context_mask=positions < n[:, None],
+        )
+        if self.cross is not None and self.cross.records_context:
+            self._inputs[layer_idx] = inp
+            if len(self._inputs) == self.num_layers:
+                self._fit_and_compress()
+            return
+        self._store(layer_idx, inp, self.compressor(inp))
+
+    def _fit_and_compress(self) -> None:
+        """xKV: fit the cross-layer factors on every layer's prompt, then compress each layer
+        with the fit (as the decoder's recording pass + compressed pass do)."""
+        assert self.cross is not None
+        inputs = self._inputs
+        segments = {}
+        for i, inp in inputs.items():
+            seg = identity_segment(inp, identity=True)
+            if self.pre_rope:
+                seg.keys = self._rotate(seg.keys, inp.positions, seg.positions)
+            segments[i] = seg
+        S = int(next(iter(inputs.values())).context_mask.sum(1).max())
+        fit = self.cross.fit(RecordedContext(inputs, segments, S, self.rope), step=None)
+        for i in range(self.num_layers):
+            inp = inputs[i]
+            inp_fit = CompressionInput(**{**inp.__dict__, "fit": fit})
+            self._store(i, inp_fit, self.compressor(inp_fit))
+        self._inputs = {}
+
+    def _rotate(
+        self, keys: torch.Tensor, positions: torch.Tensor, seg_positions: torch.Tensor
+    ) -> torch.Tensor:
+        cos, sin = self.rope(seg_positions, keys.dtype)
+        return apply_rope(keys, cos, sin)
+
+    def _store(self, layer_idx: int, inp: CompressionInput, seg) -> None:
+        if self.pre_rope:
+            if seg.quant is not None:
+                raise NotImplementedError(
+                    "packed storage of a pre-RoPE compressor is not supported by the cache"
+                )
+            seg.keys = self._rotate(seg.keys, inp.positions, seg.positions)
+        n_ctx = inp.context_mask.sum(1)
+        self.inner.set_segment(layer_idx, StoredSegment.from_segment(seg, n_ctx))
+        self.stats.append(seg.stats)
+
+    # ------------------------------------------------------------------------- bytes
+    def kv_bytes(self, include_metadata: bool = True) -> int:
+        """Stored bytes of the compressed prompt, all layers (packed K/V + scales, merge counts
+        and head maps when compression made them necessary); decoded tokens not included."""
+        return self.inner.kv_bytes(include_metadata)
+
+    def baseline_bytes(self, head_dim: int, value_dim: int | None = None) -> int:
+        """Bytes of the uncompressed 16-bit cache of the same prompts, all layers."""
+        return self.inner.baseline_bytes(head_dim, value_dim)
+
+    def decoded_bytes(self) -> int:
+        """The decoded tokens' K/V at the cache dtype."""
+        return self.inner.decoded_bytes()
+
+
+# -------------------------------------------------------------------------------- attention
+def _key_padding(attention_mask: Any, B: int, S: int, device: torch.device) -> torch.Tensor:
+    """[B, S] bool, True for keys a sample may attend (from a 2-D padding mask, a 4-D
+    boolean/additive mask, or None)."""
+    if attention_mask is None:
+        return torch.ones(B, S, dtype=torch.bool, device=device)
+    m = attention_mask
+    if m.dim() == 4:  # the last query row sees every real key of its sample
+        row = m[:, 0, -1, -S:]
+        return row if row.dtype == torch.bool else row == 0
+    return m[:, -S:].bool()
+
+
+def _attend(
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, Hk, S, D], mask [B, 1, T, S] (bool or additive) -> [B, T, H, D]."""
+    H, Hk = q.shape[1], k.shape[1]
+    if H != Hk:
+        k = k.repeat_interleave(H // Hk, dim=1)
+        v = v.repeat_interleave(H // Hk, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def compressed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function registered as :data:`ATTN_IMPLEMENTATION`.
+
+    Args:
+        query: [B, H, T, D] post-RoPE; key, value: [B, Hk, S, D] (what the cache returned).
+        attention_mask: the 2-D padding mask transformers passes through (or a 4-D mask / None).
+
+    Returns:
+        ([B, T, H, D], None).
+    """
+    if dropout and module.training:
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION} attention is for inference (dropout=0)")
+    B, _, T, _ = query.shape
+    S = key.shape[2]
+    active = _ACTIVE.get()
+    layer_idx = getattr(module, "layer_idx", None)
+    cache = None
+    if active is not None and active[1] == layer_idx:
+        cache = active[0]
+        _ACTIVE.set(None)
+    if cache is not None and cache.inner.segments[layer_idx] is not None:
+        bias = cache.inner.attention_bias(layer_idx, T, query.dtype)  # [B, 1, T, M + S_dec]
+        return _attend(module, query, key, value, bias, scaling), None
+    # Plain causal attention over the call's keys (the prefill), padding respected.
+    valid = _key_padding(attention_mask, B, S, query.device)  # [B, S]
+    qi = torch.arange(T, device=query.device)[:, None] + (S - T)
+    causal = torch.arange(S, device=query.device)[None, :] <= qi  # [T, S]
+    mask = causal[None] & valid[:, None, :]  # [B, T, S]
+    # A padded query sees no key: let it see itself so that its (unused) row is finite.
+    mask = mask | (torch.arange(S, device=query.device)[None, :] == qi)[None]
+    out = _attend(module, query, key, value, mask[:, None], scaling)
+    if cache is not None:
+        cache._compress_prefill(layer_idx, query, valid)
+    return out, None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, compressed_attention)
+# The stock SDPA mask builder under our name: the prefill receives the padding as a 4-D mask
+# (transformers passes no mask at all to an attention function without one). Decode steps
+# ignore it and use the cache's own bias.
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
