@@ -24,6 +24,7 @@ from unicache_train.validation import (
     ConfigBase,
     ConfigError,
     apply_overrides,
+    check_bool,
     check_choice,
     check_int,
     check_range,
@@ -102,6 +103,21 @@ class ModelConfig(ConfigBase):
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
+    # DeepSeek MoE FFN (names as in transformers' deepseek_v3; see model/moe.py). With
+    # n_routed_experts = 0 every layer is dense; else layers >= first_k_dense_replace route each
+    # token to num_experts_per_tok of n_routed_experts experts (+ n_shared_experts always on).
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 2
+    n_shared_experts: int = 1
+    moe_intermediate_size: int | None = None
+    first_k_dense_replace: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    # Auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 sec. 2.1.2): after every
+    # optimizer step e_score_correction_bias += rate * sign(mean load - load); 0 keeps it fixed.
+    router_bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         check_int(self, "vocab_size", 2)
@@ -158,6 +174,49 @@ class ModelConfig(ConfigBase):
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"ModelConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
         check_int(self, "v_head_dim", 1)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """The MoE fields: types always, their relations when the model has routed experts."""
+        check_int(self, "n_routed_experts", 0, 1 << 16)
+        check_int(self, "first_k_dense_replace", 0, self.num_hidden_layers)
+        check_int(self, "n_shared_experts", 0, 1 << 10)
+        if self.moe_intermediate_size is not None:
+            check_int(self, "moe_intermediate_size", 1)
+        check_bool(self, "norm_topk_prob")
+        check_range(self, "routed_scaling_factor", 0, lo_open=True)
+        check_range(self, "router_bias_update_rate", 0, 1)
+        check_int(self, "n_group", 1)
+        check_int(self, "num_experts_per_tok", 1)
+        check_int(self, "topk_group", 1, self.n_group)
+        E = self.n_routed_experts
+        if E == 0:
+            if self.router_bias_update_rate > 0:
+                raise ConfigError(
+                    f"ModelConfig.router_bias_update_rate={self.router_bias_update_rate} has no "
+                    "effect with n_routed_experts=0 (no router); set n_routed_experts, or the "
+                    "rate to 0"
+                )
+            return
+        check_int(self, "num_experts_per_tok", 1, E)
+        if E % self.n_group:
+            raise ConfigError(
+                f"ModelConfig.n_group={self.n_group} must divide n_routed_experts={E} "
+                "(experts are routed in equal groups)"
+            )
+        if E // self.n_group < 2:
+            raise ConfigError(
+                f"ModelConfig.n_routed_experts={E} / n_group={self.n_group} gives "
+                f"{E // self.n_group} expert per group; allowed >= 2 (a group's score is the sum "
+                "of its top-2 expert scores, as in DeepSeek-V3)"
+            )
+        reachable = self.topk_group * (E // self.n_group)
+        if self.num_experts_per_tok > reachable:
+            raise ConfigError(
+                f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} is out of range; "
+                f"allowed [1, topk_group * n_routed_experts / n_group] = [1, {reachable}] (the "
+                "experts of the topk_group selected groups)"
+            )
 
     @property
     def head_size(self) -> int:
@@ -171,6 +230,22 @@ class ModelConfig(ConfigBase):
             if self.head_dim is not None
             else (self.hidden_size // self.num_attention_heads)
         )
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Width of one routed expert: ``moe_intermediate_size``, else ``intermediate_size``."""
+        if self.moe_intermediate_size is None:
+            return self.intermediate_size
+        return self.moe_intermediate_size
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """True when layer ``layer_idx`` has the MoE FFN (DeepSeek-V3's rule)."""
+        return self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
+
+    @property
+    def uses_moe(self) -> bool:
+        """True when at least one layer has the MoE FFN."""
+        return self.is_moe_layer(self.num_hidden_layers - 1)
 
     @property
     def uses_streams(self) -> bool:

@@ -2,9 +2,18 @@
 
 The layout is what transformers (and vLLM / SGLang's DeepseekV2/V3 models) load: ``config.json``
 plus ``model.safetensors`` with HF names (``model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight``
-...). Our decoder maps onto a DeepseekV3 whose every layer is dense
+...). A dense decoder maps onto a DeepseekV3 whose every layer is dense
 (``first_k_dense_replace = num_hidden_layers``; the MoE fields are set to a consistent, unused
-single expert) with no multi-token-prediction layers.
+single expert); an MoE decoder (``n_routed_experts > 0``, :mod:`unicache_train.model.moe`) onto
+its MoE layers with the same router fields. No multi-token-prediction layers.
+
+**Expert layout.** Files hold one tensor per expert, ``mlp.experts.{e}.{gate,up,down}_proj.weight``
+(DeepSeek's own checkpoints, what vLLM / SGLang and transformers 4.x load; transformers 5 fuses
+them on load and splits them again on save). We keep them stacked (``mlp.experts.gate_up_proj
+[E, 2I, C]`` = gate rows then up rows, ``mlp.experts.down_proj [E, C, I]``, transformers 5's
+in-memory layout): export splits, import stacks (and also accepts the fused names). The router
+(``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``) stays fp32 in a cast export, as
+transformers keeps it (``_keep_in_fp32_modules_strict``).
 
 **RoPE layout.** We train with rotate-half RoPE (pairs ``(j, j + Dr/2)``); DeepSeek rotates
 adjacent pairs ``(2i, 2i + 1)`` (``rope_interleave = True``), and vLLM / SGLang apply the
@@ -16,16 +25,19 @@ layout; import handles both (``rope_interleave`` read from the config).
 
 What cannot be represented raises :class:`DeepseekV3ExportError` naming the field: GQA attention
 (per-head RoPE keys; convert first with :func:`unicache_train.model.convert_mla.convert_to_mla`),
-hyper-connection streams, attention biases (inference stacks drop them), MoE layers and rope
-scaling (YaRN) on import. Import checks the files as :func:`unicache_train.checkpoint.hf.import_hf`
-does, with the same messages: unreadable (truncated, corrupted) safetensors files name the file;
-missing, unexpected, mis-shaped, non-float and non-finite tensors are named, with the expected
-and actual shapes. Nothing is loaded partially.
+hyper-connection streams, attention biases (inference stacks drop them), MoE without shared
+experts (DeepseekV3 always has them), and on import rope scaling (YaRN), a router other than
+V3's (``scoring_func`` not sigmoid, ``topk_method`` not ``noaux_tc``) and ``moe_layer_freq``
+!= 1. Import checks the files as :func:`unicache_train.checkpoint.hf.import_hf` does, with the
+same messages: unreadable (truncated, corrupted) safetensors files name the file; missing,
+unexpected, mis-shaped, non-float and non-finite tensors are named, with the expected and actual
+shapes. Nothing is loaded partially.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +85,11 @@ def _check_exportable(config: ModelConfig) -> None:
             "ModelConfig.attention_bias=True: vLLM / SGLang build DeepSeek attention without "
             "biases and would silently drop them; export a bias-free model"
         )
+    if config.uses_moe and config.n_shared_experts == 0:
+        raise DeepseekV3ExportError(
+            "ModelConfig.n_shared_experts=0: every DeepseekV3 MoE layer has shared experts "
+            "(width moe_intermediate_size * n_shared_experts); export a model with >= 1"
+        )
 
 
 def to_deepseek_v3_config(
@@ -113,6 +130,7 @@ def to_deepseek_v3_config(
         "moe_intermediate_size": config.intermediate_size,
         "routed_scaling_factor": 1.0,
         "norm_topk_prob": True,
+        **_moe_fields(config),
         "num_nextn_predict_layers": 0,
         "hidden_act": "silu",
         "max_position_embeddings": config.max_position_embeddings,
@@ -131,6 +149,62 @@ def to_deepseek_v3_config(
     }
 
 
+def _moe_fields(config: ModelConfig) -> dict[str, Any]:
+    """The MoE fields of an MoE decoder (empty for a dense one, which keeps the unused single
+    expert above). ``topk_method``/``scoring_func``: DeepSeek-V3's own config.json names, which
+    vLLM / SGLang read (``noaux_tc`` creates ``e_score_correction_bias``)."""
+    if not config.uses_moe:
+        return {}
+    return {
+        "first_k_dense_replace": config.first_k_dense_replace,
+        "n_routed_experts": config.n_routed_experts,
+        "n_shared_experts": config.n_shared_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "n_group": config.n_group,
+        "topk_group": config.topk_group,
+        "moe_intermediate_size": config.expert_intermediate_size,
+        "routed_scaling_factor": float(config.routed_scaling_factor),
+        "norm_topk_prob": config.norm_topk_prob,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+    }
+
+
+def _from_moe_fields(hf: dict[str, Any], L: int) -> dict[str, Any]:
+    """ModelConfig MoE kwargs of a DeepseekV3 config.json (transformers' defaults where a field
+    is absent); ``{}`` when every layer is dense."""
+    first_dense = hf.get("first_k_dense_replace", 3)
+    if first_dense is None:
+        raise DeepseekV3ExportError(
+            "first_k_dense_replace=None: expected an integer (the number of leading dense layers)"
+        )
+    first_dense = int(first_dense)
+    if first_dense >= L:
+        return {}
+    freq = hf.get("moe_layer_freq", 1)
+    if freq not in (None, 1):
+        raise DeepseekV3ExportError(
+            f"moe_layer_freq={freq!r}: only every layer from first_k_dense_replace on being MoE "
+            "(moe_layer_freq=1, transformers' rule) is implemented"
+        )
+    for name, ours in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if hf.get(name, ours) != ours:
+            raise DeepseekV3ExportError(
+                f"{name}={hf[name]!r}: only DeepSeek-V3's router ({name}={ours!r}) is implemented"
+            )
+    return dict(
+        n_routed_experts=hf.get("n_routed_experts", 256),
+        num_experts_per_tok=hf.get("num_experts_per_tok", 8),
+        n_shared_experts=hf.get("n_shared_experts", 1),
+        moe_intermediate_size=hf.get("moe_intermediate_size", 2048),
+        first_k_dense_replace=first_dense,
+        n_group=hf.get("n_group", 8),
+        topk_group=hf.get("topk_group", 4),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
+    )
+
+
 def _rope_type(hf: dict[str, Any]) -> tuple[str, float]:
     """(rope_type, rope_theta) from a v5 ``rope_parameters`` or a legacy ``rope_scaling``."""
     params = hf.get("rope_parameters") or {}
@@ -145,12 +219,7 @@ def from_deepseek_v3_config(hf: dict[str, Any]) -> tuple[ModelConfig, bool]:
     if hf.get("model_type") != "deepseek_v3":
         raise DeepseekV3ExportError(f"model_type={hf.get('model_type')!r}: expected 'deepseek_v3'")
     L = int(hf["num_hidden_layers"])
-    first_dense = hf.get("first_k_dense_replace", 3)
-    if first_dense is None or first_dense < L:
-        raise DeepseekV3ExportError(
-            f"first_k_dense_replace={first_dense} < num_hidden_layers={L}: layers "
-            f"{first_dense}..{L - 1} are MoE, which our decoder does not implement"
-        )
+    moe = _from_moe_fields(hf, L)
     if hf.get("hidden_act", "silu") != "silu":
         raise DeepseekV3ExportError(f"hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU)")
     rope_type, theta = _rope_type(hf)
@@ -185,6 +254,7 @@ def from_deepseek_v3_config(hf: dict[str, Any]) -> tuple[ModelConfig, bool]:
             qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
             qk_rope_head_dim=dr,
             v_head_dim=int(hf["v_head_dim"]),
+            **moe,
         )
     except ConfigError as err:
         raise DeepseekV3ExportError(f"config.json is not representable: {err}") from err
@@ -225,10 +295,92 @@ def to_deepseek_v3_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
         sd.pop("lm_head.weight", None)  # HF re-ties it to the embedding on load
     inverse = torch.argsort(_rope_perm(config.qk_rope_head_dim))
     sd = _permute_rope_rows(sd, config, inverse)
+    sd = _split_experts(sd)
     return {
         (k if k == "lm_head.weight" else f"model.{k}"): v.cpu().contiguous().clone()
         for k, v in sd.items()
     }
+
+
+_FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+# model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight: one tensor per expert (files).
+_PER_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$"
+)
+
+
+def _split_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacked experts (``experts.gate_up_proj [E, 2I, C]``, ``experts.down_proj [E, C, I]``)
+    -> one tensor per expert (``experts.{e}.gate_proj.weight [I, C]``, ``up_proj``, ``down_proj
+    [C, I]``); other tensors unchanged."""
+    out: dict[str, torch.Tensor] = {}
+    for name, w in sd.items():
+        if name.endswith(_FUSED[0]):
+            prefix = name.removesuffix("gate_up_proj")
+            gate, up = w.chunk(2, dim=1)  # [E, I, C] each
+            for e in range(w.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = gate[e]
+                out[f"{prefix}{e}.up_proj.weight"] = up[e]
+        elif name.endswith(_FUSED[1]):
+            prefix = name.removesuffix("down_proj")
+            for e in range(w.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = w[e]
+        else:
+            out[name] = w
+    return out
+
+
+def _stack_experts(
+    hf_sd: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """Per-expert tensors of the decoder's MoE layers -> the stacked ``mlp.experts.gate_up_proj``
+    / ``mlp.experts.down_proj`` (checked one by one first); other tensors unchanged.
+
+    Raises:
+        DeepseekV3ExportError: a per-expert tensor is mis-shaped, non-float or non-finite, an
+            expert lacks a projection, an expert index is out of range, or a layer has both the
+            per-expert and the fused names.
+    """
+    E, C, I = config.n_routed_experts, config.hidden_size, config.expert_intermediate_size
+    shapes = {"gate": [I, C], "up": [I, C], "down": [C, I]}
+    per_layer: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, w in hf_sd.items():
+        m = _PER_EXPERT.match(name)
+        if m is None or int(m[1]) >= config.num_hidden_layers or not config.is_moe_layer(int(m[1])):
+            out[name] = w  # not ours to stack: dropped (MTP) or reported as unexpected later
+            continue
+        layer, e, proj = int(m[1]), int(m[2]), m[3]
+        if e >= E:
+            raise DeepseekV3ExportError(
+                f"tensor {name!r}: expert index {e} is out of range; config.json has "
+                f"n_routed_experts={E} (allowed 0..{E - 1})"
+            )
+        check_weight(name, w, DeepseekV3ExportError)
+        if list(w.shape) != shapes[proj]:
+            raise DeepseekV3ExportError(
+                f"tensor {name!r} has shape {list(w.shape)}; config.json implies {shapes[proj]}"
+            )
+        per_layer.setdefault(layer, {})[(e, proj)] = w
+    for layer, got in sorted(per_layer.items()):
+        p = f"model.layers.{layer}.mlp.experts."
+        if p + "gate_up_proj" in out or p + "down_proj" in out:
+            raise DeepseekV3ExportError(
+                f"layer {layer} holds both per-expert tensors ({p}{{e}}.*) and fused ones "
+                f"({p}gate_up_proj / down_proj); a checkpoint has one layout"
+            )
+        missing = [f"{p}{e}.{proj}_proj.weight" for e in range(E) for proj in shapes
+                   if (e, proj) not in got]  # fmt: skip
+        if missing:
+            raise DeepseekV3ExportError(
+                f"layer {layer} misses expert tensors: {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''} ({len(missing)} of {3 * E})"
+            )
+        gate = torch.stack([got[(e, "gate")] for e in range(E)])  # [E, I, C]
+        up = torch.stack([got[(e, "up")] for e in range(E)])  # [E, I, C]
+        out[p + "gate_up_proj"] = torch.cat([gate, up], dim=1)  # [E, 2I, C]
+        out[p + "down_proj"] = torch.stack([got[(e, "down")] for e in range(E)])  # [E, C, I]
+    return out
 
 
 def from_deepseek_v3_state_dict(
@@ -243,6 +395,8 @@ def from_deepseek_v3_state_dict(
     """
     with torch.device("meta"):
         expected = {k: v.shape for k, v in Decoder(config).state_dict().items()}
+    if config.uses_moe:
+        hf_sd = _stack_experts(hf_sd, config)
     sd: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for name, w in hf_sd.items():
@@ -273,6 +427,11 @@ def from_deepseek_v3_state_dict(
     if rope_interleave:
         sd = _permute_rope_rows(sd, config, _rope_perm(config.qk_rope_head_dim))
     return sd
+
+
+def _is_router(name: str) -> bool:
+    """The router's tensors (kept fp32 in a cast export, as transformers keeps them)."""
+    return name.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))
 
 
 # ---------------------------------------------------------------------------------- files
@@ -309,7 +468,7 @@ def export_deepseek_v3(
     source = serving.tokenizer_source(model, tokenizer_from)
     sd = to_deepseek_v3_state_dict(model)
     if dtype is not None:
-        sd = {k: v.to(dtype) for k, v in sd.items()}
+        sd = {k: (v if _is_router(k) else v.to(dtype)) for k, v in sd.items()}
     dtype_name = str(next(iter(sd.values())).dtype).removeprefix("torch.")
     hf_config = to_deepseek_v3_config(model.config, dtype=dtype_name)
     hf_config.update(serving.special_token_ids(

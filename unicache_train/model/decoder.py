@@ -7,6 +7,9 @@ Block (residual mode ``residual``)::
     x ─┬─► input_layernorm ─► self_attn ─► (+) ─┬─► post_attention_layernorm ─► mlp ─► (+) ─► x'
        └────────────────────────────────────────┘└───────────────────────────────────────┘
 
+``mlp`` is a SwiGLU, or from layer ``first_k_dense_replace`` on (``n_routed_experts > 0``) a
+DeepSeek MoE FFN (:mod:`unicache_train.model.moe`); either is a sub-layer ``[.., C] -> [.., C]``.
+
 With hyper-connections (``residual_mode`` ``mhc``/``hc``, ``hc_mult = n > 1``) the residual is
 ``[B, T, n, C]``: each sub-layer's connection module (``attn_hc``, ``ffn_hc``) collapses the
 streams into the branch input, runs the branch (norm + sub-layer) and mixes the branch output
@@ -29,6 +32,7 @@ from unicache_train.config import ModelConfig
 from unicache_train.model.attention import Attention
 from unicache_train.model.kv_cache import KVCache, new_kv_cache
 from unicache_train.model.mlp import SwiGLU
+from unicache_train.model.moe import MoE, expert_loads, update_router_bias
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import RotaryEmbedding
 from unicache_train.seam import (
@@ -84,7 +88,12 @@ class Block(nn.Module):
         else:
             self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        # DeepSeek MoE FFN from layer first_k_dense_replace on (see model/moe.py).
+        self.mlp: nn.Module = (
+            MoE(config)
+            if config.is_moe_layer(layer_idx)
+            else SwiGLU(config.hidden_size, config.intermediate_size)
+        )
         self.attn_hc, self.ffn_hc = build_connections(config)
 
     def forward(self, x: torch.Tensor, **attn_kwargs) -> torch.Tensor:
@@ -104,7 +113,8 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """A decoder-only LM: GQA/MHA (or MLA) attention, SwiGLU, RMSNorm, RoPE, optional mHC."""
+    """A decoder-only LM: GQA/MHA (or MLA) attention, SwiGLU (or DeepSeek MoE) FFN, RMSNorm,
+    RoPE, optional mHC."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -127,7 +137,8 @@ class Decoder(nn.Module):
     def reset_parameters(self) -> None:
         """GPT-style init: N(0, initializer_range) for linear/embedding weights, zeros for biases.
 
-        Norm gains start at one; hyper-connection modules initialise themselves.
+        Norm gains start at one; hyper-connection modules initialise themselves; MoE routers and
+        stacked expert weights get the same normal init (router bias zero).
         """
         std = self.config.initializer_range
         for module in self.modules():
@@ -135,10 +146,23 @@ class Decoder(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, MoE):
+                module.reset_parameters(std)
 
     @property
     def num_streams(self) -> int:
         return self.config.hc_mult if self.config.uses_streams else 1
+
+    def update_router_bias(self, rate: float, loads: torch.Tensor | None = None) -> None:
+        """One auxiliary-loss-free balancing step of every MoE router, then reset the loads
+        (:func:`unicache_train.model.moe.update_router_bias`; ``loads`` [L_moe, E], default:
+        :meth:`expert_loads`)."""
+        update_router_bias(self, rate, loads)
+
+    def expert_loads(self) -> torch.Tensor:
+        """[L_moe, E] tokens routed to each expert by the training forwards since the last
+        update (this process only)."""
+        return expert_loads(self)
 
     def forward(
         self,

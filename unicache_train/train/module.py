@@ -26,6 +26,7 @@ from unicache_train.inloop import (
 )
 from unicache_train.model import Decoder
 from unicache_train.model.loss import causal_lm_loss  # re-exported: recipes/scripts import it here
+from unicache_train.model.moe import expert_loads, load_stats, update_router_bias
 from unicache_train.monitor.metrics import layer_mean_stats
 
 
@@ -51,6 +52,12 @@ class LMModule(L.LightningModule):
     every target (as without compression) and, on continuation targets, ``val/ppl_continuation``
     (uncompressed), ``val/ppl_compressed`` (at the full rate) and ``compress/ppl_delta`` (relative
     increase, 0.03 = +3%).
+
+    MoE models (``ModelConfig.n_routed_experts > 0``): after every optimizer step the expert
+    loads of the step are summed over ranks, every router bias moves by
+    ``router_bias_update_rate`` (DeepSeek-V3's auxiliary-loss-free balancing; 0 leaves it) and
+    ``moe/load_max_over_mean``, ``moe/load_cv``, ``moe/idle_experts``, ``moe/bias_abs_mean`` are
+    logged (:func:`~unicache_train.model.moe.load_stats`).
 
     The resolved :class:`RunConfig` is stored in the checkpoint's hyper-parameters (``config``),
     so a checkpoint alone rebuilds the model (see
@@ -216,6 +223,32 @@ class LMModule(L.LightningModule):
             self.log("val/ppl_continuation", ppl_plain, sync_dist=False)
             self.log("val/ppl_compressed", ppl_comp, prog_bar=True, sync_dist=False)
             self.log("compress/ppl_delta", ppl_comp / ppl_plain - 1.0, sync_dist=False)
+
+    # ---------------------------------------------------------------------------- MoE balance
+    def optimizer_step(
+        self,
+        epoch: int,
+        batch_idx: int,
+        optimizer: Any,
+        optimizer_closure: Any = None,
+    ) -> None:
+        """The optimizer step (forward and backward run inside it, in the closure), then the
+        router bias update of an MoE model."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self._balance_experts()
+
+    def _balance_experts(self) -> None:
+        """DeepSeek-V3's bias update from the loads counted since the last optimizer step (all
+        micro-batches of the step), and their stats; a no-op without MoE layers."""
+        loads = expert_loads(self.model)  # [L_moe, E] this rank's tokens per expert
+        if loads.numel() == 0:
+            return
+        if self._trainer is not None and self.trainer.world_size > 1:
+            # NOTE: every rank must apply the same update (the bias is a buffer: DDP does not
+            # average it), computed from the load of the global batch.
+            loads = self.trainer.strategy.reduce(loads.double(), reduce_op="sum")
+        update_router_bias(self.model, self.config.model.router_bias_update_rate, loads)
+        self.log_dict(load_stats(loads, self.model))  # the step's loads, the updated biases
 
     # ---------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

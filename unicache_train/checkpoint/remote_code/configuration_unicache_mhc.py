@@ -3,7 +3,8 @@
 A Llama-style decoder (GQA attention with RoPE, SwiGLU, RMSNorm; optional q/k/v biases and
 Qwen3-style per-head q_norm/k_norm) whose residual is widened to ``hc_mult`` streams mixed by
 manifold-constrained hyper-connections (mHC, arXiv 2512.24880) with the numerics of
-transformers' ``deepseek_v4`` (``attn_hc``/``ffn_hc``/``hc_head``).
+transformers' ``deepseek_v4`` (``attn_hc``/``ffn_hc``/``hc_head``). With ``n_routed_experts > 0``
+the layers from ``first_k_dense_replace`` on have a DeepSeek MoE FFN (DeepseekV3 field names).
 """
 
 from transformers import PretrainedConfig
@@ -36,6 +37,15 @@ class UnicacheMhcConfig(PretrainedConfig):
         hc_mult=4,
         hc_sinkhorn_iters=20,
         hc_eps=1e-6,
+        n_routed_experts=0,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=None,
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
         pad_token_id=None,
         bos_token_id=None,
         eos_token_id=None,
@@ -62,6 +72,15 @@ class UnicacheMhcConfig(PretrainedConfig):
         self.hc_mult = hc_mult
         self.hc_sinkhorn_iters = hc_sinkhorn_iters
         self.hc_eps = hc_eps
+        self.n_routed_experts = n_routed_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.n_shared_experts = n_shared_experts
+        self.moe_intermediate_size = moe_intermediate_size or intermediate_size
+        self.first_k_dense_replace = first_k_dense_replace
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,

@@ -16,6 +16,14 @@ hyper-connection with the numerics of transformers' ``deepseek_v4`` preset::
 Embeddings enter as n copies; ``hc_head`` collapses the streams before the final norm.
 Hyper-connection parameters are kept in fp32 (``_keep_in_fp32_modules``).
 
+With ``n_routed_experts > 0`` the FFN of layers ``>= first_k_dense_replace`` is a DeepSeek MoE
+(as deepseek_v4 pairs mHC with MoE; router numerics of transformers' deepseek_v3): sigmoid
+scores, ``e_score_correction_bias`` added for the choice only, group-limited top-k (keep the
+``topk_group`` of ``n_group`` groups with the best top-2 sums), weights = the chosen scores
+(normalised if ``norm_topk_prob``) times ``routed_scaling_factor``; plus shared experts of width
+``moe_intermediate_size * n_shared_experts``. Experts are stacked: ``experts.gate_up_proj
+[E, 2I, C]`` (gate rows, then up rows), ``experts.down_proj [E, C, I]``. The router stays fp32.
+
 Generation: ``GenerationMixin`` with a ``DynamicCache`` K/V cache (``use_cache=True``) or
 without one (``use_cache=False``: the full prefix is recomputed every step). Padding via a 2-D
 ``attention_mask`` is honoured for the keys; positions are ``arange`` (left padding shifts them,
@@ -97,15 +105,81 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size=None):
         super().__init__()
-        C, I = config.hidden_size, config.intermediate_size
+        C = config.hidden_size
+        I = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = nn.Linear(C, I, bias=False)
         self.up_proj = nn.Linear(C, I, bias=False)
         self.down_proj = nn.Linear(I, C, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """DeepSeek-V3 router: x [N, C] -> (weights [N, k] fp32, indices [N, k])."""
+
+    def __init__(self, config):
+        super().__init__()
+        E = config.n_routed_experts
+        self.E, self.k = E, config.num_experts_per_tok
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(E, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(E))
+
+    def forward(self, x):
+        N, G = x.shape[0], self.n_group
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        choice = scores + self.e_score_correction_bias.float()  # selection only
+        if self.topk_group < G:
+            grouped = choice.view(N, G, self.E // G)  # [N, G, E/G]
+            best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros(N, G, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, -1)
+        indices = choice.topk(self.k, dim=-1, sorted=False).indices  # [N, k]
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, indices
+
+
+class Experts(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        E, C, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, C))
+        self.down_proj = nn.Parameter(torch.zeros(E, C, I))
+
+    def forward(self, x, indices, weights):
+        """x: [N, C]; indices, weights: [N, k] -> [N, C]."""
+        out = torch.zeros_like(x)
+        for e in indices.unique().tolist():
+            token, slot = torch.where(indices == e)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        n_shared = config.n_shared_experts
+        self.shared_experts = (
+            MLP(config, config.moe_intermediate_size * n_shared) if n_shared > 0 else None
+        )
+
+    def forward(self, x):
+        """x: [B, T, C] -> [B, T, C]."""
+        flat = x.reshape(-1, x.shape[-1])  # [N, C]
+        weights, indices = self.gate(flat)
+        out = self.experts(flat, indices, weights).view_as(x)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
 def sinkhorn_v4(logits, iters, eps):
@@ -172,7 +246,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        moe = config.n_routed_experts > 0 and layer_idx >= config.first_k_dense_replace
+        self.mlp = MoE(config) if moe else MLP(config)
         self.attn_hc = HyperConnection(config)
         self.ffn_hc = HyperConnection(config)
 
@@ -188,8 +263,10 @@ class UnicacheMhcPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
     _no_split_modules = ["Block"]
-    _keep_in_fp32_modules = ["attn_hc", "ffn_hc", "hc_head"]
-    _keep_in_fp32_modules_strict = ["attn_hc", "ffn_hc", "hc_head"]
+    _keep_in_fp32_modules = ["attn_hc", "ffn_hc", "hc_head", "gate.weight",
+                             "e_score_correction_bias"]
+    _keep_in_fp32_modules_strict = ["attn_hc", "ffn_hc", "hc_head", "gate.weight",
+                                    "e_score_correction_bias"]
     _supports_sdpa = True
 
     @torch.no_grad()
@@ -209,6 +286,12 @@ class UnicacheMhcPreTrainedModel(PreTrainedModel):
             module.hc_fn.normal_(0.0, std)
             module.hc_base.zero_()
             module.hc_scale.fill_(1.0)
+        elif isinstance(module, Router):
+            module.weight.normal_(0.0, std)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, Experts):
+            module.gate_up_proj.normal_(0.0, std)
+            module.down_proj.normal_(0.0, std)
 
 
 class UnicacheMhcModel(UnicacheMhcPreTrainedModel):
