@@ -268,6 +268,17 @@ def test_experts_match_per_token_reference_and_every_weight_gets_a_gradient():
     assert moe.gate.e_score_correction_bias.grad is None  # a buffer: no gradient
 
 
+def test_router_runs_in_fp32_under_bf16_autocast():
+    config = moe_config(hidden_size=16, num_attention_heads=2, num_key_value_heads=2)
+    router = Router(config)
+    router.reset_parameters(0.5)
+    x = torch.randn(32, 16)
+    ref = router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router(x)
+    assert torch.equal(got.indices, ref.indices) and torch.equal(got.weights, ref.weights)
+
+
 def test_router_stays_fp32_under_bf16():
     model = Decoder(moe_config()).to(torch.bfloat16)
     gate = model.layers[1].mlp.gate

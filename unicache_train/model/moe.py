@@ -102,7 +102,10 @@ class Router(_Fp32Params):
         """x: [N, C] -> :class:`RouterOutput` (every tensor fp32 but the indices)."""
         N = x.shape[0]
         G = self.n_group
-        logits = F.linear(x.float(), self.weight.float())  # [N, E]
+        # NOTE: autocast off: under bf16 autocast the linear would run in bf16 and near-tied
+        # experts would be picked by rounding (transformers' router has that flaw).
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())  # [N, E]
         scores = logits.sigmoid()  # [N, E]
         choice = scores + self.e_score_correction_bias.float()  # [N, E], selection only
         if self.topk_group < G:
