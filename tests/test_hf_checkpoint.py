@@ -242,10 +242,11 @@ def test_unknown_model_type_and_architecture(llama_dir):
 @pytest.mark.parametrize(
     "changes, match",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}},
-         "rope_type='yarn'"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_parameters": None},
-         "rope_type='linear'"),
+        # Scaled RoPE (linear/dynamic/llama3/yarn) imports: tests/test_rope_scaling.py.
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 500.0, "factor": 4.0}},
+         "rope_type='longrope' is not implemented"),
+        ({"rope_scaling": {"type": "su", "factor": 2.0}, "rope_parameters": None},
+         "rope_type='su' is not implemented"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],

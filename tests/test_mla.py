@@ -150,11 +150,12 @@ def test_export_errors_name_the_field(tmp_path):
     # MoE layers import (tests/test_moe.py), but not the dense export's placeholder expert.
     with pytest.raises(DeepseekV3ExportError, match="n_routed_experts=1 / n_group=1"):
         from_deepseek_v3_config({**good, "first_k_dense_replace": 1})
-    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0}
-    with pytest.raises(DeepseekV3ExportError, match="rope_type='yarn'"):
-        from_deepseek_v3_config({**good, "rope_parameters": yarn})
-    with pytest.raises(DeepseekV3ExportError, match="rope_type='yarn'"):
-        from_deepseek_v3_config({**good, "rope_parameters": None, "rope_scaling": {"type": "yarn"}})
+    # YaRN (with mscale) imports: tests/test_rope_scaling.py; other types are named.
+    longrope = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 500.0}
+    with pytest.raises(DeepseekV3ExportError, match="rope_type='longrope' is not implemented"):
+        from_deepseek_v3_config({**good, "rope_parameters": longrope})
+    with pytest.raises(DeepseekV3ExportError, match="rope_type='su' is not implemented"):
+        from_deepseek_v3_config({**good, "rope_parameters": None, "rope_scaling": {"type": "su"}})
 
 
 # ------------------------------------------------------------------------ decoding and cache

@@ -24,6 +24,7 @@ from unicache_train.validation import (
     ConfigBase,
     ConfigError,
     apply_overrides,
+    build_config,
     check_bool,
     check_choice,
     check_int,
@@ -38,6 +39,9 @@ __all__ = [
     "deep_merge",
     "pop_config_path",
     "ModelConfig",
+    "RopeScalingConfig",
+    "ROPE_TYPES",
+    "ROPE_TYPE_FIELDS",
     "DataConfig",
     "SyntheticDataConfig",
     "TrainConfig",
@@ -64,6 +68,97 @@ DEEPSPEED_STRATEGIES = (
 )
 
 
+#: RoPE scaling types we compute (transformers' ``rope_parameters.rope_type`` names).
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+#: Fields of RopeScalingConfig each rope_type reads; every other field must keep its default.
+ROPE_TYPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+               "high_freq_factor"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "attention_factor", "truncate"),
+}
+
+
+@dataclass
+class RopeScalingConfig(ConfigBase):
+    """RoPE scaling (context extension) with transformers' ``rope_parameters`` names; the maths
+    is in :mod:`unicache_train.model.rope`.
+
+    ``rope_type``:
+
+    * ``default``: plain RoPE; no other field may be set.
+    * ``linear``: position interpolation (Chen et al., arXiv 2306.15595): every frequency is
+      divided by ``factor``.
+    * ``dynamic``: NTK-aware scaling whose base grows with the forward's longest position once it
+      passes ``max_position_embeddings`` (transformers' ``dynamic``; reads ``factor``).
+    * ``llama3``: Llama 3.1's per-band scaling (``factor``, ``low_freq_factor``,
+      ``high_freq_factor``, ``original_max_position_embeddings``).
+    * ``yarn``: YaRN (Peng et al., arXiv 2309.00071): ``factor``,
+      ``original_max_position_embeddings``, ``beta_fast``/``beta_slow`` (the ramp), and the
+      attention factor (``attention_factor``, else from ``factor`` with ``mscale`` /
+      ``mscale_all_dim``); an MLA model also multiplies its softmax scale by DeepSeek's
+      ``mscale(factor, mscale_all_dim)^2``.
+
+    Attributes:
+        original_max_position_embeddings: the pre-training context (llama3, yarn); None means
+            :attr:`ModelConfig.max_position_embeddings` (transformers' default).
+        mscale, mscale_all_dim: YaRN's DeepSeek-style magnitude scales; transformers reads them
+            by truth value (None and 0 both mean unset).
+        truncate: YaRN rounds its correction range outward (floor / ceil), transformers' default.
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        check_choice(self, "rope_type", ROPE_TYPES)
+        used = ROPE_TYPE_FIELDS[self.rope_type]
+        for name, f in RopeScalingConfig.__dataclass_fields__.items():
+            if name == "rope_type" or name in used or getattr(self, name) == f.default:
+                continue
+            users = [t for t, names in ROPE_TYPE_FIELDS.items() if name in names]
+            raise ConfigError(
+                f"RopeScalingConfig.{name}={getattr(self, name)!r} is not read by "
+                f"rope_type={self.rope_type!r} (it reads {list(used)}); {name} belongs to "
+                f"rope_type {users}: set rope_type, or leave {name} at {f.default!r}"
+            )
+        check_range(self, "factor", 0, lo_open=True)
+        if self.original_max_position_embeddings is not None:
+            check_int(self, "original_max_position_embeddings", 1)
+        check_range(self, "low_freq_factor", 0, lo_open=True)
+        check_range(self, "high_freq_factor", 0, lo_open=True)
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(
+                f"RopeScalingConfig.high_freq_factor={self.high_freq_factor} must exceed "
+                f"low_freq_factor={self.low_freq_factor} (llama3's medium band lies between them)"
+            )
+        check_range(self, "beta_fast", 0, lo_open=True)
+        check_range(self, "beta_slow", 0, lo_open=True)
+        if self.beta_fast < self.beta_slow:
+            raise ConfigError(
+                f"RopeScalingConfig.beta_fast={self.beta_fast} must be >= beta_slow="
+                f"{self.beta_slow} (YaRN's ramp runs from beta_fast to beta_slow rotations)"
+            )
+        for name in ("mscale", "mscale_all_dim"):
+            if getattr(self, name) is not None:
+                check_range(self, name, 0)
+        if self.attention_factor is not None:
+            check_range(self, "attention_factor", 0, lo_open=True)
+        check_bool(self, "truncate")
+
+
 @dataclass
 class ModelConfig(ConfigBase):
     """Decoder architecture (HF field names).
@@ -83,6 +178,8 @@ class ModelConfig(ConfigBase):
     head_dim: int | None = None
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
+    # RoPE scaling (linear / dynamic / llama3 / yarn); default: plain RoPE.
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
@@ -142,6 +239,17 @@ class ModelConfig(ConfigBase):
             raise ConfigError(f"ModelConfig.head_dim={self.head_size} must be even (RoPE pairs)")
         check_int(self, "max_position_embeddings", 1)
         check_range(self, "rope_theta", 0, lo_open=True)
+        if self.rope_scaling is None:  # `rope_scaling: null`, as HF writes "no scaling"
+            self.rope_scaling = RopeScalingConfig()
+        if isinstance(self.rope_scaling, dict):  # ModelConfig(**config.to_dict())
+            self.rope_scaling = build_config(
+                RopeScalingConfig, self.rope_scaling, "ModelConfig.rope_scaling"
+            )
+        if not isinstance(self.rope_scaling, RopeScalingConfig):
+            raise ConfigError(
+                f"ModelConfig.rope_scaling={self.rope_scaling!r}: expected a RopeScalingConfig, "
+                "a mapping of its fields, or None (no scaling)"
+            )
         check_range(self, "rms_norm_eps", 0, 1, lo_open=True)
         check_range(self, "initializer_range", 0, 1, lo_open=True)
         check_choice(self, "attention_type", ATTENTION_TYPES)

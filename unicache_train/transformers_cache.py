@@ -57,7 +57,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from unicache_train.checkpoint.policy import compressor_from_policy, read_policy
 from unicache_train.model.compressed_cache import CompressedKVCache, StoredSegment
-from unicache_train.ops.rope import apply_rope
+from unicache_train.ops.rope import apply_rope, unapply_rope
 from unicache_train.seam import (
     CompressionInput,
     KVCompressor,
@@ -180,7 +180,12 @@ class CompressedCache(Cache):
         if getattr(compressor, "pre_rope", False):
             from unicache_train.model.rope import RotaryEmbedding
 
-            rope = RotaryEmbedding(model_config.head_size, model_config.rope_theta)
+            rope = RotaryEmbedding(
+                model_config.head_size,
+                model_config.rope_theta,
+                model_config.rope_scaling,  # the export's RoPE scaling (yarn, llama3, ...)
+                model_config.max_position_embeddings,
+            )
         return cls(compressor, model_config.num_hidden_layers, rope=rope, policy=policy, **kwargs)
 
     def reset(self) -> None:
@@ -247,7 +252,7 @@ class CompressedCache(Cache):
         positions = torch.arange(P, device=k.device).expand(B, P)
         if self.pre_rope:
             cos, sin = self.rope(positions, torch.float32)
-            k = apply_rope(k.float(), cos, -sin).to(v.dtype)  # back to pre-RoPE keys
+            k = unapply_rope(k.float(), cos, sin).to(v.dtype)  # back to pre-RoPE keys
         inp = CompressionInput(
             layer_idx=layer_idx,
             num_layers=self.num_layers,

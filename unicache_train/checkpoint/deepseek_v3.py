@@ -26,7 +26,9 @@ layout; import handles both (``rope_interleave`` read from the config).
 What cannot be represented raises :class:`DeepseekV3ExportError` naming the field: GQA attention
 (per-head RoPE keys; convert first with :func:`unicache_train.model.convert_mla.convert_to_mla`),
 hyper-connection streams, attention biases (inference stacks drop them), MoE without shared
-experts (DeepseekV3 always has them), and on import rope scaling (YaRN), a router other than
+experts (DeepseekV3 always has them), and on import a RoPE type other than default / linear /
+dynamic / llama3 / yarn (YaRN with ``mscale``/``mscale_all_dim`` imports and exports: the softmax
+scale is :func:`unicache_train.model.rope.mla_softmax_mscale`), a router other than
 V3's (``scoring_func`` not sigmoid, ``topk_method`` not ``noaux_tc``) and ``moe_layer_freq``
 != 1. Import checks the files as :func:`unicache_train.checkpoint.hf.import_hf` does, with the
 same messages: unreadable (truncated, corrupted) safetensors files name the file; missing,
@@ -45,8 +47,14 @@ import torch
 from safetensors.torch import save_file
 
 from unicache_train.checkpoint import serving
-from unicache_train.checkpoint.hf import HFCheckpointError, check_weight, load_safetensors_dir
-from unicache_train.config import ConfigError, ModelConfig
+from unicache_train.checkpoint.hf import (
+    HFCheckpointError,
+    check_weight,
+    load_safetensors_dir,
+    rope_from_hf,
+    rope_to_hf,
+)
+from unicache_train.config import ConfigError, ModelConfig, RopeScalingConfig
 from unicache_train.model import Decoder
 
 __all__ = [
@@ -102,7 +110,7 @@ def to_deepseek_v3_config(
     """Our :class:`ModelConfig` -> a DeepseekV3 ``config.json`` dict (all layers dense)."""
     _check_exportable(config)
     L = config.num_hidden_layers
-    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    rope = rope_to_hf(config)
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -138,6 +146,10 @@ def to_deepseek_v3_config(
         "rms_norm_eps": config.rms_norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,
         "rope_parameters": rope,
+        # The legacy key too for a scaled model (older transformers / vLLM read it).
+        **({"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}}
+           if rope["rope_type"] != "default" else {}),
+        "rope_theta": float(config.rope_theta),
         "rope_interleave": True,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -205,13 +217,19 @@ def _from_moe_fields(hf: dict[str, Any], L: int) -> dict[str, Any]:
     )
 
 
-def _rope_type(hf: dict[str, Any]) -> tuple[str, float]:
-    """(rope_type, rope_theta) from a v5 ``rope_parameters`` or a legacy ``rope_scaling``."""
-    params = hf.get("rope_parameters") or {}
-    legacy = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return rope_type or "default", float(theta)
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig]:
+    """(rope_theta, RopeScalingConfig) of a DeepseekV3 config (v5 ``rope_parameters`` or legacy
+    ``rope_scaling``), refusing the one DeepSeek case our config cannot hold: transformers'
+    ``DeepseekV3Attention`` applies the softmax mscale for ANY scaled type with a non-zero
+    ``mscale_all_dim``, our config only for yarn."""
+    theta, scaling = rope_from_hf(hf, DeepseekV3ExportError)
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if scaling.rope_type not in ("default", "yarn") and params.get("mscale_all_dim"):
+        raise DeepseekV3ExportError(
+            f"rope_parameters.mscale_all_dim={params['mscale_all_dim']!r} with rope_type="
+            f"{scaling.rope_type!r}: DeepSeek's softmax mscale is implemented for 'yarn' only"
+        )
+    return theta, scaling
 
 
 def from_deepseek_v3_config(hf: dict[str, Any]) -> tuple[ModelConfig, bool]:
@@ -222,12 +240,7 @@ def from_deepseek_v3_config(hf: dict[str, Any]) -> tuple[ModelConfig, bool]:
     moe = _from_moe_fields(hf, L)
     if hf.get("hidden_act", "silu") != "silu":
         raise DeepseekV3ExportError(f"hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU)")
-    rope_type, theta = _rope_type(hf)
-    if rope_type != "default":
-        raise DeepseekV3ExportError(
-            f"rope_parameters.rope_type={rope_type!r}: rope scaling (YaRN and its softmax mscale) "
-            "is not implemented; only 'default' RoPE can be imported"
-        )
+    theta, rope_scaling = _rope(hf)
     H = int(hf["num_attention_heads"])
     C = int(hf["hidden_size"])
     dr = int(hf["qk_rope_head_dim"])
@@ -244,6 +257,7 @@ def from_deepseek_v3_config(hf: dict[str, Any]) -> tuple[ModelConfig, bool]:
             head_dim=head_dim,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             rope_theta=theta,
+            rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             initializer_range=float(hf.get("initializer_range", 0.02)),

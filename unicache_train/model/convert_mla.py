@@ -213,6 +213,13 @@ def convert_to_mla_with_report(
         )
     if init not in INITS:
         raise ValueError(f"init={init!r}: choose one of {list(INITS)}")
+    if src.rope_scaling.rope_type != "default" and init != "random":
+        # NOTE: the frequency selection below assumes the default ladder rope_theta^(-2i/D);
+        # scaled tables (llama3 bands, yarn ramp, dynamic) are not a geometric ladder.
+        raise ValueError(
+            f"ModelConfig.rope_scaling.rope_type={src.rope_scaling.rope_type!r}: conversion to "
+            "MLA is implemented for default RoPE only (init='random' keeps the scaling)"
+        )
     if rotation not in ROTATIONS:
         raise ValueError(f"rotation={rotation!r}: choose one of {list(ROTATIONS)}")
     if weighting not in WEIGHTINGS:

@@ -129,7 +129,9 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         rope_dim = config.qk_rope_head_dim if config.attention_type == "mla" else config.head_size
-        self.rotary = RotaryEmbedding(rope_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(
+            rope_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
         self.reset_parameters()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -43,8 +43,11 @@ when ``R > Dn``). At deployment ``values`` is ``keys[..., :R]`` (no second copy)
 that changes ``values`` independently of ``keys`` (e.g. quantising them separately) is simulated
 faithfully here, but its deployed cache must hold both.
 
-YaRN / rope scaling is not implemented: :class:`~unicache_train.config.ModelConfig` has no rope
-scaling field and the DeepseekV3 importer rejects ``rope_parameters.rope_type != "default"``.
+**RoPE scaling** (``ModelConfig.rope_scaling``, :mod:`unicache_train.model.rope`): ``q_pe`` and
+``k_pe`` use the scaled tables (YaRN's attention factor ``a`` is in cos/sin, so the RoPE part of
+the logit grows by ``a²`` and the NoPE part does not, as in transformers), and the softmax scale is
+``(Dn + Dr)^-1/2 · m(factor, mscale_all_dim)²`` as in transformers' ``DeepseekV3Attention``
+(:func:`~unicache_train.model.rope.mla_softmax_mscale`).
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from unicache_train.model.attention import (
 )
 from unicache_train.model.kv_cache import KVCache, LatentKVCache
 from unicache_train.model.norm import RMSNorm
-from unicache_train.model.rope import apply_rope
+from unicache_train.model.rope import apply_rope, mla_softmax_mscale
 from unicache_train.seam import CompressionInput, KVCompressor, KVSegment
 
 # NOTE: DeepSeek (and HF DeepseekV3) build q_a_layernorm / kv_a_layernorm with the default eps
@@ -102,7 +105,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(R, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(R, H * (Dn + Dv), bias=False)
         self.o_proj = nn.Linear(H * Dv, C, bias=bias)
-        self.scaling = (Dn + Dr) ** -0.5
+        # DeepSeek YaRN: the softmax scale grows by mscale(factor, mscale_all_dim)^2.
+        self.scaling = (Dn + Dr) ** -0.5 * mla_softmax_mscale(config.rope_scaling)
 
     # ---------------------------------------------------------------------------- projections
     def _queries(

@@ -31,6 +31,7 @@ class UnicacheMhcConfig(PretrainedConfig):
         tie_word_embeddings=False,
         rope_theta=10000.0,
         rope_parameters=None,
+        rope_scaling=None,
         attention_bias=False,
         attention_dropout=0.0,
         qk_norm=False,
@@ -63,9 +64,13 @@ class UnicacheMhcConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.rms_norm_eps = rms_norm_eps
         self.use_cache = use_cache
-        rope_parameters = dict(rope_parameters or {})
-        self.rope_theta = float(rope_parameters.get("rope_theta", rope_theta))
-        self.rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        # RoPE: v5 ``rope_parameters`` or the legacy ``rope_scaling``; types default, linear,
+        # dynamic, llama3, yarn (computed in modeling_unicache_mhc.rope_frequencies).
+        rope = dict(rope_parameters or rope_scaling or {})
+        self.rope_theta = float(rope.get("rope_theta", rope_theta))
+        rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type") or "default"
+        rope["rope_theta"] = self.rope_theta
+        self.rope_parameters = rope
         self.attention_bias = attention_bias
         self.attention_dropout = attention_dropout
         self.qk_norm = qk_norm

@@ -29,8 +29,14 @@ without one (``use_cache=False``: the full prefix is recomputed every step). Pad
 ``attention_mask`` is honoured for the keys; positions are ``arange`` (left padding shifts them,
 as in a model without padding-aware position ids).
 
+RoPE scaling (``config.rope_parameters``): ``default``, ``linear``, ``dynamic``, ``llama3`` and
+``yarn`` with transformers' numerics (:func:`rope_frequencies`); YaRN's attention factor scales
+cos and sin, as transformers does. ``dynamic`` rescales per forward from the largest position.
+
 This file must not import unicache_train: it ships next to the exported weights.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +68,61 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return rms_norm(x, self.eps, self.weight)
+
+
+def _mscale(factor, mscale=1.0):
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(rope, dim, max_position_embeddings, position_ids):
+    """rope_parameters -> (inverse frequencies [D/2] fp32, attention factor), as transformers'
+    modeling_rope_utils computes them (``dynamic``: for the largest position in position_ids)."""
+    kind, theta = rope.get("rope_type", "default"), rope["rope_theta"]
+    f = rope.get("factor")
+    device = position_ids.device
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (theta**exponent)
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / f, 1.0
+    if kind == "dynamic":
+        L0 = max_position_embeddings
+        length = position_ids.max() + 1
+        grown = torch.maximum(length, torch.tensor(L0, dtype=length.dtype, device=device))
+        base = theta * ((f * grown / L0) - (f - 1)) ** (dim / (dim - 2))
+        return torch.where(length > L0, 1.0 / (base**exponent), inv_freq), 1.0
+    original = rope.get("original_max_position_embeddings") or max_position_embeddings
+    if kind == "llama3":
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        out = torch.where(wavelen > original / low, inv_freq / f, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+        return torch.where(medium, (1 - smooth) * out / f + smooth * out, out), 1.0
+    if kind == "yarn":
+        f = f or max_position_embeddings / original
+        attn = rope.get("attention_factor")
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if attn is None:
+            attn = (_mscale(f, mscale) / _mscale(f, mscale_all_dim) if mscale and mscale_all_dim
+                    else _mscale(f))
+
+        def correction_dim(rotations):
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = correction_dim(rope.get("beta_fast") or 32)
+        high = correction_dim(rope.get("beta_slow") or 1)
+        if rope.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        high = high + 0.001 if low == high else high
+        pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low)
+                / (high - low)).clamp(0, 1)
+        keep = 1 - ramp  # 1: the dimension keeps its frequency, 0: divided by the factor
+        return (1.0 / (f * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep, float(attn)
+    raise ValueError(f"rope_parameters.rope_type={kind!r} is not implemented")
 
 
 def rotate_half(x):
@@ -303,12 +364,12 @@ class UnicacheMhcModel(UnicacheMhcPreTrainedModel):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
 
-    def inv_freq(self, device):
+    def rope(self, position_ids):
         # NOTE: computed per call, not a buffer: from_pretrained builds the model on the meta
         # device and would leave a non-persistent buffer uninitialised.
-        D = self.config.head_dim
-        exponent = torch.arange(0, D, 2, dtype=torch.float32, device=device) / D
-        return 1.0 / (self.config.rope_theta ** exponent)  # [D/2]
+        c = self.config
+        rope = dict(c.rope_parameters or {}, rope_theta=c.rope_theta)
+        return rope_frequencies(rope, c.head_dim, c.max_position_embeddings, position_ids)
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -330,9 +391,11 @@ class UnicacheMhcModel(UnicacheMhcPreTrainedModel):
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=x.device).expand(B, T)
-        freqs = position_ids.float()[..., None] * self.inv_freq(x.device)  # [B, T, D/2]
+        inv_freq, attn_factor = self.rope(position_ids)  # [D/2], YaRN's attention factor
+        freqs = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [B, T, D]
+        cos = (emb.cos() * attn_factor).to(x.dtype)  # [B, T, D]
+        sin = (emb.sin() * attn_factor).to(x.dtype)
         S = past + T
         qi = torch.arange(T, device=x.device)[:, None] + past
         mask = (torch.arange(S, device=x.device)[None, :] <= qi)[None, None]  # [1, 1, T, S]

@@ -26,7 +26,7 @@ from unicache_train.compress.xkv.factor import (
     select_rank,
     svd_basis,
 )
-from unicache_train.ops.rope import apply_rope
+from unicache_train.ops.rope import unapply_rope
 from unicache_train.seam import CompressionInput, KVCompressor, RecordedContext
 
 __all__ = ["SideFit", "GroupFit", "XKVFit", "fit_context"]
@@ -228,7 +228,7 @@ def _group_rows(
     k = seg.keys
     if config.keys_pre_rope:
         cos, sin = context.rope(seg.positions, torch.float32)
-        k = apply_rope(k.float(), cos, -sin).to(seg.keys.dtype)  # R(p)^-1 = R(-p)
+        k = unapply_rope(k.float(), cos, sin).to(seg.keys.dtype)  # (a R(p))^-1
     keys = [flatten_heads(k[:, i * Hk : (i + 1) * Hk]) for i in range(len(members))]
     values = [flatten_heads(seg.values[:, i * Hk : (i + 1) * Hk]) for i in range(len(members))]
     meta.update(
