@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install fetch demo demo-tiny test test-slow lint bench kvpress-baseline
+.PHONY: install fetch demo demo-tiny test test-slow lint bench kvpress-baseline tf-lower vllm-compare
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +41,38 @@ kvpress-baseline: fetch
 		--model $(or $(MODEL),$(SMOLLM2)) --tokenizer $(or $(TOKENIZER),$(SMOLLM2)) \
 		--name $(or $(NAME),base) --reduction $(or $(REDUCTION),4) --out runs/kvpress/kvpress.csv
 
-test: fetch
+# Serving parity: vLLM's CPU build (its own venv, .venv-vllm) loads an export and decodes 20 fixed
+# prompts greedily; the tokens are compared with transformers' on the same weights, one CSV row a
+# prompt. MODEL=DIR (default: the int4 compression-aware fine-tune's export from `make demo`),
+# NAME=row label, DTYPE=float32|bfloat16. An MLA model: see scripts/vllm_compare.py export-mla.
+VLLM_MODEL = $(or $(MODEL),runs/sm_compress_q4/compress/export)
+VLLM_NAME  = $(or $(NAME),q4_llama)_$(or $(DTYPE),float32)
+vllm-compare: install
+	scripts/vllm_env.sh
+	$(BIN)/python scripts/vllm_compare.py prompts --tokenizer $(VLLM_MODEL) \
+		--out runs/vllm/$(VLLM_NAME).prompts.jsonl
+	OMP_NUM_THREADS=2 $(BIN)/python scripts/vllm_compare.py reference --model $(VLLM_MODEL) \
+		--prompts runs/vllm/$(VLLM_NAME).prompts.jsonl --dtype $(or $(DTYPE),float32) \
+		--out runs/vllm/$(VLLM_NAME).hf.jsonl
+	.venv-vllm/bin/python scripts/vllm_compare.py vllm --model $(VLLM_MODEL) \
+		--prompts runs/vllm/$(VLLM_NAME).prompts.jsonl --dtype $(or $(DTYPE),float32) \
+		--out runs/vllm/$(VLLM_NAME).vllm.jsonl
+	$(BIN)/python scripts/vllm_compare.py compare --name $(VLLM_NAME) \
+		--prompts runs/vllm/$(VLLM_NAME).prompts.jsonl --reference runs/vllm/$(VLLM_NAME).hf.jsonl \
+		--vllm runs/vllm/$(VLLM_NAME).vllm.jsonl --out scripts/results/vllm/vllm_compare.csv
+
+# The oldest transformers the serving cache supports (5.2), in its own venv, for
+# tests/test_transformers_cache.py::test_lower_bound_transformers (our package on PYTHONPATH).
+TF_LOWER := .venv-tf-lower
+$(TF_LOWER)/.installed:
+	$(PYTHON) -m venv $(TF_LOWER)
+	$(TF_LOWER)/bin/pip install --upgrade pip
+	$(TF_LOWER)/bin/pip install torch==2.13.0 transformers==5.2.0 safetensors pyyaml
+	touch $@
+
+tf-lower: $(TF_LOWER)/.installed
+
+test: fetch tf-lower
 	$(BIN)/python -m pytest -q
 
 test-slow: fetch

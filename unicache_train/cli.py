@@ -197,18 +197,30 @@ def _eval_logger(kind: str | None, out_dir: str, name: str):
 
 
 def generate(
-    checkpoint: str,
     prompt: str,
+    checkpoint: str | None = None,
+    export: str | None = None,
+    compressed: bool = False,
+    chat: bool = False,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
 ) -> str:
-    """Generate a continuation of ``prompt`` with a checkpoint (greedy when temperature is 0).
+    """Generate a continuation of ``prompt`` (greedy when temperature is 0).
+
+    From a training checkpoint (``--checkpoint``, our decoder), or from an export directory
+    (``--export``, stock transformers ``generate()``; with ``--compressed`` on the KV compression
+    the export was fine-tuned for: :class:`unicache_train.transformers_cache.CompressedCache`
+    reading its ``compression_config.json``). An export run prints the KV bytes of the prompt
+    and the decoding speed.
 
     Args:
-        checkpoint: a ``.ckpt`` written by ``unicache-train fit``.
         prompt: the text to continue.
+        checkpoint: a ``.ckpt`` written by ``unicache-train fit``.
+        export: an export directory (``unicache-train export``, the recipes' ``export_dir``).
+        compressed: compress the prompt's KV cache with the export's policy.
+        chat: wrap the prompt in the export's chat template (as a user turn).
         max_new_tokens: number of tokens to generate.
         temperature: sampling temperature (0 = greedy).
         top_k: sample among the k most likely tokens.
@@ -216,10 +228,27 @@ def generate(
     """
     import torch
 
+    _check_generate_options(max_new_tokens, temperature, top_k)
+    if (checkpoint is None) == (export is None):
+        raise ConfigError(
+            f"generate: pass exactly one of --checkpoint (got {checkpoint!r}) or --export "
+            f"(got {export!r})"
+        )
+    if export is not None:
+        from unicache_train.serve import generate_from_export
+
+        result = generate_from_export(
+            export, prompt, compressed=compressed, chat=chat, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_k=top_k, seed=seed,
+        )  # fmt: skip
+        print(prompt + result.text)
+        print(result.summary(), file=sys.stderr)
+        return result.text
+    if compressed or chat:
+        raise ConfigError("generate --compressed / --chat apply to --export directories only")
     from unicache_train.checkpoint import load_checkpoint
     from unicache_train.data.tokenizer import load_tokenizer
 
-    _check_generate_options(max_new_tokens, temperature, top_k)
     model, config = load_checkpoint(checkpoint)
     tok = load_tokenizer(config.data.tokenizer)
     ids = torch.tensor([tok.encode(prompt, add_bos=True)])

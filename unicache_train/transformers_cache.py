@@ -12,7 +12,8 @@ off) and the model decodes on the compressed cache::
 
     model = AutoModelForCausalLM.from_pretrained(DIR, attn_implementation=ATTN_IMPLEMENTATION)
     cache = CompressedCache.from_pretrained(DIR)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, cache=cache, do_sample=False)
+    # (transformers < 5.3: past_key_values=cache; CACHE_ARGUMENT names the right one)
     cache.kv_bytes(), cache.baseline_bytes()          # what the compressed context stores
 
 Two public extension points of transformers carry it, no module is patched:
@@ -45,12 +46,14 @@ Imports torch, transformers and the compression package only (no Lightning).
 from __future__ import annotations
 
 import contextvars
+import inspect
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -66,9 +69,22 @@ from unicache_train.seam import (
     identity_segment,
 )
 
-__all__ = ["ATTN_IMPLEMENTATION", "CompressedCache", "CompressedLayer", "compressed_attention"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "CACHE_ARGUMENT",
+    "CompressedCache",
+    "CompressedLayer",
+    "compressed_attention",
+]
 
 ATTN_IMPLEMENTATION = "unicache_compressed"
+# The name ``generate()``/``forward()`` take the cache under: ``cache`` from transformers 5.3
+# (``past_key_values`` still works there, with a deprecation warning), ``past_key_values`` before.
+CACHE_ARGUMENT = (
+    "cache"
+    if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters
+    else "past_key_values"
+)
 
 # The (cache, layer) whose ``update`` ran last: the attention call of that layer follows it
 # directly in every supported model's attention forward (q/k/v -> cache.update -> attention).

@@ -42,7 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as _init
 from transformers.cache_utils import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_unicache_mhc import UnicacheMhcConfig
@@ -133,6 +135,7 @@ def rotate_half(x):
 class Attention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
+        self.config = config
         self.layer_idx = layer_idx
         C, H, Hk, D = (config.hidden_size, config.num_attention_heads,
                        config.num_key_value_heads, config.head_dim)
@@ -161,6 +164,12 @@ class Attention(nn.Module):
         q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # [B, Hk, S, D]
+        impl = getattr(self.config, "_attn_implementation", None)
+        if impl not in (None, "sdpa", "eager") and impl in ALL_ATTENTION_FUNCTIONS:
+            # A registered attention function (e.g. a compressed cache's): transformers' interface.
+            out, _ = ALL_ATTENTION_FUNCTIONS[impl](self, q, k, v, mask, dropout=0.0,
+                                                   scaling=self.D ** -0.5)  # [B, T, H, D]
+            return self.o_proj(out.reshape(B, T, self.H * self.D))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.Hk != self.H)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.D))
 
@@ -332,21 +341,24 @@ class UnicacheMhcPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
+        # transformers' guarded init functions skip tensors loaded from the checkpoint (5.2 runs
+        # _init_weights after loading; in-place .normal_() would overwrite the loaded mHC
+        # coefficients there).
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            module.weight.normal_(0.0, std)
+            _init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
+                _init.zeros_(module.bias)
         elif isinstance(module, RMSNorm):
-            module.weight.fill_(1.0)
+            _init.ones_(module.weight)
         elif isinstance(module, HyperConnection):
-            module.fn.normal_(0.0, std)
-            module.base.zero_()
-            module.scale.fill_(1.0)
+            _init.normal_(module.fn, mean=0.0, std=std)
+            _init.zeros_(module.base)
+            _init.ones_(module.scale)
         elif isinstance(module, HyperHead):
-            module.hc_fn.normal_(0.0, std)
-            module.hc_base.zero_()
-            module.hc_scale.fill_(1.0)
+            _init.normal_(module.hc_fn, mean=0.0, std=std)
+            _init.zeros_(module.hc_base)
+            _init.ones_(module.hc_scale)
         elif isinstance(module, Router):
             module.weight.normal_(0.0, std)
             module.e_score_correction_bias.zero_()

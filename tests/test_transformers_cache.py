@@ -1,0 +1,133 @@
+"""The exported compression policy in stock transformers ``generate()``
+(:mod:`unicache_train.transformers_cache`) equals our own decoding loop
+(:func:`unicache_train.model.generate_compressed`) on the same weights: greedy tokens identical,
+per-step logits <= 1e-4, KV bytes equal. Ragged batches (left padding on the transformers side,
+right padding on ours) in every case; the check itself is in ``tests/cache_exactness.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import cache_exactness as ce  # noqa: E402  (tests/ is on sys.path under pytest's rootdir)
+
+from unicache_train.checkpoint.policy import read_policy  # noqa: E402
+from unicache_train.config import ConfigError  # noqa: E402
+from unicache_train.transformers_cache import CompressedCache  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("family,policy_name", ce.CASES)
+def test_stock_generate_equals_ours(tmp_path, family, policy_name):
+    ce.check(tmp_path, family, policy_name)
+
+
+def test_policy_off_equals_plain_transformers(tmp_path):
+    """No compression_config.json: the cache is a plain cache; stock generate without it gives
+    the same tokens and logits (the registered attention is plain causal attention)."""
+    out = ce.export(tmp_path, "llama", "off")
+    assert read_policy(out) is None
+    prompts = ce.make_prompts()
+    tok, logits, _ = ce.hf_generate(out, prompts)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").eval()
+    P = max(ce.LENS)
+    ids = torch.zeros(len(prompts), P, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):] = p
+        mask[b, P - len(p):] = 1
+    ref = hf.generate(ids, attention_mask=mask, max_new_tokens=ce.NEW, do_sample=False,
+                      output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert torch.equal(ref.sequences[:, P:], tok)
+    torch.testing.assert_close(torch.stack(ref.logits, 1), logits, atol=1e-4, rtol=0)
+
+
+def test_second_prefill_and_bad_policy_are_refused(tmp_path):
+    out = ce.export(tmp_path, "llama", "unicache_int8")
+    cache = CompressedCache.from_pretrained(out)
+    k = torch.zeros(1, 2, 5, 16)
+    cache.update(k, k, 0)  # prefill of layer 0 recorded, never compressed (no attention call)
+    with pytest.raises(RuntimeError, match="prefill the prompt in one call"):
+        cache.update(k, k, 0)
+    doc = json.loads((out / "compression_config.json").read_text())
+    doc["policy"]["method"] = "zip"
+    (out / "compression_config.json").write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="policy.method='zip'.*allowed"):
+        CompressedCache.from_pretrained(out)
+    doc["schema_version"] = 99
+    (out / "compression_config.json").write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="schema_version=99"):
+        CompressedCache.from_pretrained(out)
+    with pytest.raises(FileNotFoundError, match="not an export directory"):
+        CompressedCache.from_pretrained(tmp_path / "nowhere")
+
+
+def test_serving_side_imports_no_lightning():
+    code = (
+        "import sys, unicache_train.transformers_cache;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning',"
+        " 'deepspeed', 'wandb')]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# The oldest transformers we support, in its own environment (`make tf-lower`; the kvpress one
+# pins the same version).
+_LOWER = next(
+    (p for p in (ROOT / ".venv-tf-lower" / "bin" / "python", ROOT / ".venv-kvpress" / "bin" /
+                 "python") if p.exists()),
+    None,
+)  # fmt: skip
+
+
+@pytest.mark.skipif(_LOWER is None, reason="no lower-bound transformers env (make tf-lower)")
+def test_lower_bound_transformers(tmp_path):
+    """transformers 5.2 runs the same exactness check (this package on PYTHONPATH)."""
+    version = subprocess.run(
+        [str(_LOWER), "-c", "import transformers; print(transformers.__version__)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert version.startswith("5.2"), version
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [str(_LOWER), str(ROOT / "tests" / "cache_exactness.py"), "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(": ok ") == 3, proc.stdout
+
+
+def test_cli_generate_from_export(tmp_path, capsys):
+    """``unicache-train generate --export DIR --compressed``: stock generate on the export's
+    policy; the summary line reports the prompt's KV bytes (fewer than uncompressed)."""
+    from unicache_train.cli import main
+
+    out = ce.export(tmp_path, "llama", "unicache_int8")
+    prompt = "the cat sat on the mat and looked at the dog for a long while. " * 2
+    main(["generate", "--export", str(out), "--compressed", "true", "--prompt", prompt,
+          "--max_new_tokens", "5"])  # fmt: skip
+    cap = capsys.readouterr()
+    assert cap.out.startswith(prompt)
+    pattern = r"compressed \((\w+)\): ([\d,]+) bytes \(uncompressed 16-bit: ([\d,]+);"
+    method, stored, baseline = re.search(pattern, cap.err).groups()
+    assert method == "unicache"
+    assert 0 < int(stored.replace(",", "")) < int(baseline.replace(",", "")) / 1.5
+    main(["generate", "--export", str(out), "--prompt", prompt, "--max_new_tokens", "5"])
+    plain = capsys.readouterr()
+    stored, baseline = re.search(r"uncompressed: ([\d,]+) bytes \(uncompressed 16-bit: ([\d,]+);",
+                                 plain.err).groups()  # fmt: skip
+    assert stored == baseline and "1.00x fewer" in plain.err
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x"])
+    assert "exactly one of --checkpoint" in capsys.readouterr().err
