@@ -197,8 +197,8 @@ def _eval_logger(kind: str | None, out_dir: str, name: str):
 
 
 def generate(
-    prompt: str,
     checkpoint: str | None = None,
+    prompt: str | None = None,
     export: str | None = None,
     compressed: bool = False,
     chat: bool = False,
@@ -216,8 +216,8 @@ def generate(
     and the decoding speed.
 
     Args:
-        prompt: the text to continue.
         checkpoint: a ``.ckpt`` written by ``unicache-train fit``.
+        prompt: the text to continue (required).
         export: an export directory (``unicache-train export``, the recipes' ``export_dir``).
         compressed: compress the prompt's KV cache with the export's policy.
         chat: wrap the prompt in the export's chat template (as a user turn).
@@ -229,6 +229,8 @@ def generate(
     import torch
 
     _check_generate_options(max_new_tokens, temperature, top_k)
+    if not prompt:
+        raise ConfigError(f"generate --prompt={prompt!r}: give the text to continue")
     if (checkpoint is None) == (export is None):
         raise ConfigError(
             f"generate: pass exactly one of --checkpoint (got {checkpoint!r}) or --export "
