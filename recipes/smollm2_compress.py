@@ -72,9 +72,11 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 # ------------------------------------------------------------------------------ compressors
 # unicache: text-style UniCache + int8; unicache_span: the same with span pooling;
 # unicache_q4: the same with int4 storage (the byte budget goes to precision before tokens);
-# xkv: cross-layer SVD (groups of 2)
+# xkv: cross-layer SVD (groups of 2); unicache+xkv: UniCache token selection at
+# study.xkv_token_rate (head merging and quantization off, as in training), then xKV on the kept
+# entries with its reduction calibrated so that the two together reach the target
 _UNICACHE_QUANT = {"unicache": "int8", "unicache_span": "int8", "unicache_q4": "int4"}
-METHODS = (*_UNICACHE_QUANT, "xkv")
+METHODS = (*_UNICACHE_QUANT, "xkv", "unicache+xkv")
 
 
 def parse_setting(spec: str) -> tuple[str, float]:
@@ -94,7 +96,7 @@ def parse_setting(spec: str) -> tuple[str, float]:
 
 def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
     from unicache_train.compress import UniCacheCompressor
-    from unicache_train.compress.config import XKVConfig
+    from unicache_train.compress.config import UniCacheConfig, XKVConfig
     from unicache_train.compress.xkv import XKVCompressor
     from unicache_train.eval.budget import measured_reduction, rate_for_reduction, text_unicache
     from unicache_train.seam import IdentityCompressor
@@ -112,10 +114,30 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
             rate, got = rate_for_reduction(model, calib_ids, calib_split, make, red)
             cfg = text_unicache(rate, pool, quant)
             out.append(Setting(method, red, rate, lambda c=cfg: UniCacheCompressor(c), cfg))
-        else:
+        elif method == "xkv":
             xcfg = XKVConfig(rank_mode="reduction", reduction=red, group_size=2)
             got = measured_reduction(model, calib_ids, calib_split, XKVCompressor(xcfg))
             out.append(Setting("xkv", red, math.nan, lambda c=xcfg: XKVCompressor(c), got))
+        else:  # unicache+xkv
+            rate = float(study["xkv_token_rate"])
+            d = text_unicache(rate, 0, "int8").to_dict()
+            d["head_merge"]["enabled"] = False
+            d["quantize"]["bits"] = None
+            tcfg = UniCacheConfig.from_dict(d)
+
+            def make_joint(r_x, tcfg=tcfg):
+                xcfg = XKVConfig(rank_mode="reduction", reduction=r_x, group_size=2)
+                return xcfg, XKVCompressor(xcfg, token_compressor=UniCacheCompressor(tcfg))
+
+            r_x = max(red * (1.0 - rate), 1.01)  # tokens alone give 1 / (1 - rate)
+            for _ in range(2):  # one proportional correction on the measured total
+                got = measured_reduction(model, calib_ids, calib_split, make_joint(r_x)[1])
+                r_x = max(r_x * red / got, 1.01)
+            xcfg, _ = make_joint(r_x)
+            got = measured_reduction(model, calib_ids, calib_split, make_joint(r_x)[1])
+            out.append(Setting("unicache+xkv", red, rate,
+                               lambda x=xcfg, t=tcfg: XKVCompressor(
+                                   x, token_compressor=UniCacheCompressor(t)), got))  # fmt: skip
         s = out[-1]
         print(f"  {spec}: rate {s.rate:.3f}, calibrated reduction {got:.2f}x", flush=True)
     return out

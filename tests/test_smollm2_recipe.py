@@ -33,7 +33,8 @@ def recipe():
 @pytest.mark.parametrize(
     "spec, want",
     [("unicache@4", ("unicache", 4.0)), ("unicache_q4@8", ("unicache_q4", 8.0)),
-     ("xkv@2.5", ("xkv", 2.5)), ("unicache_span@4", ("unicache_span", 4.0))],
+     ("xkv@2.5", ("xkv", 2.5)), ("unicache_span@4", ("unicache_span", 4.0)),
+     ("unicache+xkv@8", ("unicache+xkv", 8.0))],
 )  # fmt: skip
 def test_parse_setting(recipe, spec, want) -> None:
     assert recipe.parse_setting(spec) == want
@@ -70,6 +71,29 @@ def test_settings_reach_their_byte_targets_with_their_storage(recipe) -> None:
     # int4 spends the byte budget on precision: far fewer tokens removed at the same target
     assert by[("unicache_q4", 4.0)].rate < 0.5 * by[("unicache", 4.0)].rate
     assert by[("unicache_q4", 4.0)].rate < by[("unicache_q4", 8.0)].rate
+
+
+def test_unicache_then_xkv_setting_reaches_its_target(recipe) -> None:
+    """unicache+xkv: token removal at xkv_token_rate, then xKV calibrated on the measured total
+    (16-bit factors: no head merging, no quantization, as in training)."""
+    torch.manual_seed(0)
+    model = Decoder(
+        ModelConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+        )
+    ).eval()  # fmt: skip
+    ids = torch.randint(0, 97, (2, 96))
+    split = torch.tensor([80, 72])
+    study = {"settings": ["unicache+xkv@4"], "span_pool": 7, "xkv_token_rate": 0.5}
+    with torch.no_grad():
+        (_, s) = recipe.build_settings(model, ids, split, study)
+        got = measured_reduction(model, ids, split, s.build())
+    assert s.method == "unicache+xkv" and s.rate == 0.5
+    assert abs(got - 4.0) / 4.0 < 0.15, got  # rank is an integer: close, not exact
+    comp = s.build()
+    assert comp.token_compressor.config.quantize.bits is None
+    assert not comp.token_compressor.config.head_merge.enabled
 
 
 def test_results_table_and_plot_take_kvpress_rows_and_several_tasks(tmp_path) -> None:
