@@ -44,8 +44,8 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as _init
 from transformers.cache_utils import DynamicCache
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_unicache_mhc import UnicacheMhcConfig
 
@@ -360,11 +360,11 @@ class UnicacheMhcPreTrainedModel(PreTrainedModel):
             _init.zeros_(module.hc_base)
             _init.ones_(module.hc_scale)
         elif isinstance(module, Router):
-            module.weight.normal_(0.0, std)
-            module.e_score_correction_bias.zero_()
+            _init.normal_(module.weight, mean=0.0, std=std)
+            _init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, Experts):
-            module.gate_up_proj.normal_(0.0, std)
-            module.down_proj.normal_(0.0, std)
+            _init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            _init.normal_(module.down_proj, mean=0.0, std=std)
 
 
 class UnicacheMhcModel(UnicacheMhcPreTrainedModel):
