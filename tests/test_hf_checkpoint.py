@@ -257,17 +257,20 @@ def test_unsupported_config_options(llama_dir, changes, match):
         import_hf(llama_dir)
 
 
-def test_sliding_window_in_use_is_refused(tmp_path):
+def test_sliding_window_imports_into_the_config(tmp_path):
+    # (parity with transformers at windows smaller than the sequence: tests/test_sliding_window.py)
     _save_hf("mistral", tmp_path / "m")
     _edit_config(tmp_path / "m", sliding_window=64)
-    with pytest.raises(HFCheckpointError, match="sliding_window=64"):
-        import_hf(tmp_path / "m")
+    assert import_hf(tmp_path / "m")[1].sliding_window == 64
     _edit_config(tmp_path / "m", sliding_window=4096)  # >= max_position_embeddings: inert
-    import_hf(tmp_path / "m")
+    assert import_hf(tmp_path / "m")[1].sliding_window is None
     _save_hf("qwen2", tmp_path / "q")
-    _edit_config(tmp_path / "q", use_sliding_window=True, sliding_window=8)
-    with pytest.raises(HFCheckpointError, match="use_sliding_window"):
-        import_hf(tmp_path / "q")
+    _edit_config(tmp_path / "q", use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                 layer_types=None)
+    config = import_hf(tmp_path / "q")[1]
+    assert config.sliding_window == 8 and config.layer_types == [
+        "full_attention", "sliding_attention"
+    ]
 
 
 def test_export_refuses_what_the_family_cannot_hold(tmp_path):

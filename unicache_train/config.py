@@ -57,6 +57,12 @@ RESIDUAL_MODES = ("residual", "mhc", "hc")
 HC_MULT_DEFAULT = 4
 HC_PRESETS = ("deepseek_v4", "paper")
 ATTENTION_TYPES = ("gqa", "mla")
+#: ModelConfig.layer_types entries (transformers' names): causal over every earlier token, or
+#: over the last ``sliding_window`` tokens (query i sees key j iff i - window < j <= i).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+#: ModelConfig.block_style: ``llama`` (pre-norm, RMSNorm gain w, SwiGLU) or ``gemma3`` ((1 + w)
+#: RMSNorm, pre+post attention/FFN norms, tanh-GELU GeGLU, embeddings x sqrt(hidden_size)).
+BLOCK_STYLES = ("llama", "gemma3")
 # Lightning's registered DeepSpeed names (offload variants included); ``deepspeed`` = stage 2.
 DEEPSPEED_STRATEGIES = (
     "deepspeed",
@@ -215,6 +221,20 @@ class ModelConfig(ConfigBase):
     # Auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 sec. 2.1.2): after every
     # optimizer step e_score_correction_bias += rate * sign(mean load - load); 0 keeps it fixed.
     router_bias_update_rate: float = 0.0
+    # Sliding-window attention (Mistral, Qwen2, Gemma 3; transformers' names). A layer of type
+    # "sliding_attention" lets query i see key j iff i - sliding_window < j <= i. layer_types
+    # None: every layer slides when sliding_window is set (Mistral), else every layer is full.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    # Gemma 3 (see model/decoder.py, block_style "gemma3"). rope_local_theta: RoPE base of the
+    # sliding layers (Gemma's rope_local_base_freq; None: rope_theta). query_pre_attn_scalar:
+    # attention scale query_pre_attn_scalar**-0.5 (None: head_dim**-0.5). Softcaps: logits ->
+    # cap * tanh(logits / cap) (None: off).
+    block_style: str = "llama"
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         check_int(self, "vocab_size", 2)
@@ -283,6 +303,69 @@ class ModelConfig(ConfigBase):
             raise ConfigError(f"ModelConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
         check_int(self, "v_head_dim", 1)
         self._check_moe()
+        self._check_window_and_style()
+
+    def _check_window_and_style(self) -> None:
+        """The sliding-window and Gemma 3 fields."""
+        if self.sliding_window is not None:
+            check_int(self, "sliding_window", 1)
+        if self.layer_types is not None:
+            if not isinstance(self.layer_types, (list, tuple)) or len(self.layer_types) != (
+                self.num_hidden_layers
+            ):
+                raise ConfigError(
+                    f"ModelConfig.layer_types={self.layer_types!r}: expected a list of "
+                    f"num_hidden_layers={self.num_hidden_layers} entries from {list(LAYER_TYPES)}"
+                )
+            self.layer_types = list(self.layer_types)
+            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+            if bad:
+                raise ConfigError(
+                    f"ModelConfig.layer_types has {bad[:3]}; allowed entries: {list(LAYER_TYPES)}"
+                )
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ConfigError(
+                    "ModelConfig.layer_types has 'sliding_attention' layers but sliding_window "
+                    "is None; set sliding_window (the number of tokens a query sees)"
+                )
+        if self.sliding_window is not None and self.attention_type == "mla":
+            raise ConfigError(
+                f"ModelConfig.sliding_window={self.sliding_window} is a GQA option; not allowed "
+                "with attention_type='mla'"
+            )
+        check_choice(self, "block_style", BLOCK_STYLES)
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping"):  # fmt: skip
+            if getattr(self, name) is not None:
+                check_range(self, name, 0, lo_open=True)
+        if self.block_style == "gemma3":
+            if not self.qk_norm:
+                raise ConfigError(
+                    "ModelConfig.block_style='gemma3' needs qk_norm=True (Gemma 3 normalises "
+                    "every query and key head)"
+                )
+            if self.uses_streams or self.uses_moe or self.attention_type != "gqa":
+                raise ConfigError(
+                    "ModelConfig.block_style='gemma3' is a plain-residual dense GQA block; not "
+                    "allowed with residual_mode/hc_mult streams, MoE layers or MLA"
+                )
+
+    def is_sliding_layer(self, layer_idx: int) -> bool:
+        """True when layer ``layer_idx`` attends over a sliding window of ``sliding_window``."""
+        if self.sliding_window is None:
+            return False
+        if self.layer_types is None:
+            return True
+        return self.layer_types[layer_idx] == "sliding_attention"
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` in tokens, or None (full attention)."""
+        return self.sliding_window if self.is_sliding_layer(layer_idx) else None
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        """True when at least one layer attends over a sliding window."""
+        return any(self.is_sliding_layer(i) for i in range(self.num_hidden_layers))
 
     def _check_moe(self) -> None:
         """The MoE fields: types always, their relations when the model has routed experts."""

@@ -190,6 +190,13 @@ class CompressedCache(Cache):
         from unicache_train.checkpoint.hf import from_hf_config
 
         model_config, _ = from_hf_config(hf)
+        if model_config.has_sliding_layers:
+            raise NotImplementedError(
+                f"CompressedCache does not serve exports with sliding-window layers (config.json "
+                f"sliding_window={model_config.sliding_window}, layer_types="
+                f"{model_config.layer_types}); decode them with "
+                "unicache_train.model.generate.generate_compressed"
+            )
         policy = read_policy(path)
         compressor = compressor_from_policy(policy)
         rope = None

@@ -1,4 +1,5 @@
-"""Import and export HF transformers checkpoints: Llama, Qwen2, Qwen3, Mistral (+ our mHC format).
+"""Import and export HF transformers checkpoints: Llama, Qwen2, Qwen3, Mistral, Gemma 3 (text)
+(+ our mHC format).
 
 A checkpoint directory is ``config.json`` plus safetensors (``model.safetensors``, or shards listed
 in ``model.safetensors.index.json``). Our parameter names are HF's without the ``model.`` prefix
@@ -11,10 +12,16 @@ Family differences we map (transformers 5 modeling files):
 family        attention biases             other
 ============  ===========================  ==============================================
 llama         q/k/v/o iff attention_bias   ``mlp_bias`` must be False
-qwen2         q/k/v always, o never        sliding window must be off
+qwen2         q/k/v always, o never        ``use_sliding_window``: per-layer ``layer_types``
 qwen3         q/k/v/o iff attention_bias   per-head ``q_norm``/``k_norm``; explicit head_dim
-mistral       none                         ``sliding_window`` must be null (or >= max pos)
+mistral       none                         ``sliding_window`` on every layer (null: off)
+gemma3_text   q/k/v/o iff attention_bias   (1 + w) norms, 4 per layer, GeGLU, scaled
+                                           embeddings, ``query_pre_attn_scalar``, local
+                                           layers' RoPE base, softcaps, ``layer_types``
 ============  ===========================  ==============================================
+
+Sliding windows import into ``ModelConfig.sliding_window`` / ``layer_types`` (a Mistral window
+``>= max_position_embeddings`` never binds and imports as none).
 
 Our ``attention_bias`` is q/k/v only, so an imported ``o_proj.bias`` is refused unless it is all
 zeros, and export writes zero ``o_proj`` biases (and zero q/k/v biases for Qwen2 when our model
@@ -29,10 +36,10 @@ as ``rope_parameters`` and, for a scaled model, also as the legacy ``rope_scalin
 transformers and vLLM read that one).
 
 Anything we cannot represent raises :class:`HFCheckpointError` naming the field or tensor:
-unknown ``model_type``/architecture, other RoPE types (``longrope``, ...), partial rotary, a
-sliding window in use,
-non-SiLU activations, missing / unexpected / mis-shaped tensors, tensors that are not floating
-point (integer or quantised weights would be silently cast), tensors holding NaN or Inf, and
+unknown ``model_type``/architecture, other RoPE types (``longrope``, ...), partial rotary,
+Gemma's bidirectional attention, activations other than the family's, missing / unexpected /
+mis-shaped tensors, tensors that are not floating point (integer or quantised weights would be
+silently cast), tensors holding NaN or Inf, and
 unreadable (truncated or corrupted) safetensors files. Nothing is loaded partially: every tensor
 is read and checked before the model is built.
 
@@ -100,6 +107,7 @@ FAMILIES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 MHC_MODEL_TYPE = "unicache_mhc"
 MHC_ARCHITECTURE = "UnicacheMhcForCausalLM"
@@ -220,6 +228,8 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
             f"config.json architectures={archs!r}: expected {FAMILIES[model_type]!r} for "
             f"model_type={model_type!r} (only causal-LM checkpoints can be imported)"
         )
+    if model_type == "gemma3_text":
+        return _from_gemma3_config(hf), model_type
     _check_common(hf)
     bias = bool(hf.get("attention_bias", False))
     if model_type == "qwen2":
@@ -228,29 +238,96 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
         bias = False
     if model_type == "llama" and hf.get("mlp_bias", False):
         raise HFCheckpointError("config.json mlp_bias=True: our SwiGLU MLP has no biases")
-    if model_type in ("qwen2", "qwen3"):
-        if hf.get("use_sliding_window", False):
-            raise HFCheckpointError(
-                f"config.json use_sliding_window=True (sliding_window={hf.get('sliding_window')}):"
-                " sliding-window attention is not implemented"
-            )
-        layer_types = hf.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise HFCheckpointError(
-                f"config.json layer_types={layer_types!r}: only 'full_attention' layers are "
-                "implemented"
-            )
+    window: dict[str, Any] = {}
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
+        # transformers: sliding_window only with use_sliding_window; layer_types given, else
+        # sliding from layer max_window_layers on.
+        w = hf.get("sliding_window")
+        L = int(hf["num_hidden_layers"])
+        if w is not None:
+            first = int(hf.get("max_window_layers", L))
+            types = hf.get("layer_types") or [
+                "sliding_attention" if i >= first else "full_attention" for i in range(L)
+            ]
+            window = {"sliding_window": int(w), "layer_types": list(types)}
     if model_type == "mistral":
-        window = hf.get("sliding_window")
-        max_pos = int(hf.get("max_position_embeddings", 4096))
-        if window is not None and int(window) < max_pos:
-            raise HFCheckpointError(
-                f"config.json sliding_window={window} < max_position_embeddings={max_pos}: "
-                "sliding-window attention is in use and not implemented (set sliding_window to "
-                "null, or max_position_embeddings <= sliding_window, if you only need short "
-                "contexts)"
-            )
-    return _model_config(hf, attention_bias=bias, qk_norm=model_type == "qwen3"), model_type
+        w = hf.get("sliding_window")
+        if w is not None and int(w) < int(hf.get("max_position_embeddings", 4096)):
+            window = {"sliding_window": int(w)}  # every layer (transformers' Mistral)
+    return _model_config(hf, attention_bias=bias, qk_norm=model_type == "qwen3",
+                         **window), model_type  # fmt: skip
+
+
+def _from_gemma3_config(hf: dict[str, Any]) -> ModelConfig:
+    """A ``gemma3_text`` config (v5 per-layer-type ``rope_parameters`` or the legacy
+    ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling``) -> our Gemma 3 config."""
+    if hf.get("use_bidirectional_attention"):
+        raise HFCheckpointError(
+            "config.json use_bidirectional_attention=True: only causal Gemma 3 is implemented"
+        )
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise HFCheckpointError(
+            f"config.json hidden_activation={act!r}: only 'gelu_pytorch_tanh' (Gemma's GeGLU)"
+        )
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {"rope_type": "default"})
+        local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+        full.setdefault("rope_theta", 1_000_000.0)
+        local.setdefault("rope_theta", 10_000.0)
+        legacy = {}
+    else:  # legacy keys (GGUF conversions, older configs)
+        full = {"rope_type": "default", "rope_theta": hf.get("rope_theta", 1_000_000.0)}
+        local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+        legacy = {"rope_scaling": hf.get("rope_scaling")}
+    if (local.get("rope_type") or "default") != "default":
+        raise HFCheckpointError(
+            f"config.json rope_parameters.sliding_attention={local!r}: only the default RoPE is "
+            "implemented on Gemma 3's sliding layers"
+        )
+    flat = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
+    flat.update(rope_parameters=full, **legacy)
+    _check_common({**flat, "hidden_act": "silu"})  # rope and partial rotary checks
+    L = int(hf["num_hidden_layers"])
+    pattern = int(hf.get("sliding_window_pattern") or 6)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)
+    ]
+    window = hf.get("sliding_window")
+    if window is None:
+        types = ["full_attention"] * L
+    return _model_config(
+        {**flat, "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+         "max_position_embeddings": hf.get("max_position_embeddings", 131_072)},
+        attention_bias=bool(hf.get("attention_bias", False)),
+        qk_norm=True,
+        block_style="gemma3",
+        sliding_window=None if window is None else int(window),
+        layer_types=list(types),
+        rope_local_theta=float(local["rope_theta"]),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        # NOTE: transformers' Gemma3Attention never passes attn_logit_softcapping to its
+        # attention (only Gemma 2 does): the served model computes without it, and so do we.
+        final_logit_softcapping=_opt_float(hf.get("final_logit_softcapping")),
+    )
+
+
+def _pre_attn_scalar(config: ModelConfig) -> int:
+    """Gemma 3's ``query_pre_attn_scalar`` (an int in transformers' config; ours: None means
+    head_dim, the same scale)."""
+    value = config.query_pre_attn_scalar
+    if value is None:
+        return config.head_size
+    if not float(value).is_integer():
+        raise HFCheckpointError(
+            f"ModelConfig.query_pre_attn_scalar={value}: gemma3_text stores an integer"
+        )
+    return int(value)
+
+
+def _opt_float(x: Any) -> float | None:
+    return None if x is None else float(x)
 
 
 def _check_common(hf: dict[str, Any]) -> None:
@@ -349,10 +426,40 @@ def _check_family(config: ModelConfig, family: str) -> None:
         return
     if family not in FAMILIES:
         raise HFCheckpointError(f"family={family!r}: choose one of {sorted(FAMILIES)}")
-    if config.qk_norm != (family == "qwen3"):
+    gemma = family == "gemma3_text"
+    if gemma and config.attn_logit_softcapping is not None:
+        raise HFCheckpointError(
+            f"ModelConfig.attn_logit_softcapping={config.attn_logit_softcapping}: transformers' "
+            "Gemma3ForCausalLM ignores attn_logit_softcapping, so the export would compute "
+            "without it; train without it (None) to export as gemma3_text"
+        )
+    if (config.block_style == "gemma3") != gemma:
+        raise HFCheckpointError(
+            f"ModelConfig.block_style={config.block_style!r} cannot be written as "
+            f"family={family!r} (the Gemma 3 block exists in, and only in, gemma3_text)"
+        )
+    if not gemma and (config.rope_local_theta is not None or config.query_pre_attn_scalar
+                      is not None or config.attn_logit_softcapping is not None
+                      or config.final_logit_softcapping is not None):  # fmt: skip
+        raise HFCheckpointError(
+            f"family={family!r} has no rope_local_theta, query_pre_attn_scalar or softcapping "
+            "(Gemma 3 options); export as 'gemma3_text'"
+        )
+    if config.qk_norm != (family in ("qwen3", "gemma3_text")):
         raise HFCheckpointError(
             f"ModelConfig.qk_norm={config.qk_norm} cannot be written as family={family!r} "
-            "(q_norm/k_norm exist in, and only in, qwen3)"
+            "(q_norm/k_norm exist in, and only in, qwen3 and gemma3_text)"
+        )
+    sliding = [config.is_sliding_layer(i) for i in range(config.num_hidden_layers)]
+    if any(sliding) and family == "llama":
+        raise HFCheckpointError(
+            f"ModelConfig.sliding_window={config.sliding_window}: llama has no sliding window; "
+            "export as 'mistral' (every layer), 'qwen2'/'qwen3' or 'gemma3_text' (per layer)"
+        )
+    if any(sliding) and family == "mistral" and not all(sliding):
+        raise HFCheckpointError(
+            f"ModelConfig.layer_types={config.layer_types}: mistral slides every layer or none; "
+            "export per-layer windows as 'qwen2'/'qwen3'"
         )
     if config.attention_bias and family == "mistral":
         raise HFCheckpointError(
@@ -412,16 +519,41 @@ def to_hf_config(
                 "AutoModelForCausalLM": f"modeling_unicache_mhc.{MHC_ARCHITECTURE}",
             },
         )
-    elif family in ("llama", "qwen3"):
+    elif family in ("llama", "qwen3", "gemma3_text"):
         # NOTE: True also gives o_proj a bias in these families; export writes it as zeros.
         out["attention_bias"] = config.attention_bias
         if family == "llama":
             out["mlp_bias"] = False
+    types = [
+        "sliding_attention" if config.is_sliding_layer(i) else "full_attention"
+        for i in range(config.num_hidden_layers)
+    ]
     if family in ("qwen2", "qwen3") and not mhc:
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=0,
-                   layer_types=["full_attention"] * config.num_hidden_layers)
+        if config.has_sliding_layers:
+            out.update(use_sliding_window=True, sliding_window=config.sliding_window,
+                       max_window_layers=types.index("sliding_attention"), layer_types=types)
+        else:
+            out.update(use_sliding_window=False, sliding_window=None, max_window_layers=0,
+                       layer_types=types)
     if family == "mistral" and not mhc:
-        out["sliding_window"] = None
+        out["sliding_window"] = config.sliding_window if config.has_sliding_layers else None
+    if family == "gemma3_text" and not mhc:
+        del out["hidden_act"], out["rope_theta"]
+        local = config.rope_theta if config.rope_local_theta is None else config.rope_local_theta
+        out.update(
+            hidden_activation="gelu_pytorch_tanh",
+            attention_bias=config.attention_bias,
+            rope_parameters={"full_attention": rope_to_hf(config),
+                             "sliding_attention": {"rope_type": "default",
+                                                   "rope_theta": float(local)}},
+            query_pre_attn_scalar=_pre_attn_scalar(config),
+            sliding_window=config.sliding_window,
+            layer_types=types,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=config.final_logit_softcapping,
+            use_bidirectional_attention=False,
+        )  # fmt: skip
+        return out
     if config.rope_scaling.rope_type != "default":
         # Legacy key of older transformers / vLLM (v5 prefers it when present: same content).
         out["rope_scaling"] = {k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}
@@ -544,7 +676,7 @@ def to_hf_state_dict(model: Decoder, family: str = "llama") -> dict[str, torch.T
             out[p + "q_proj.bias"] = torch.zeros(H * D, dtype=dtype)
             out[p + "k_proj.bias"] = torch.zeros(Hk * D, dtype=dtype)
             out[p + "v_proj.bias"] = torch.zeros(Hk * D, dtype=dtype)
-        if family in ("llama", "qwen3") and config.attention_bias:
+        if family in ("llama", "qwen3", "gemma3_text") and config.attention_bias:
             out[p + "o_proj.bias"] = torch.zeros(C, dtype=dtype)
     return out
 

@@ -16,6 +16,15 @@ Three ways through :meth:`Attention.forward`:
    is the prefill -> compress -> decode of inference, done in one parallel forward so that
    gradients reach every layer.
 
+Sliding-window layers (``config.layer_window(i)`` = W, Mistral / Gemma 3): query ``i`` sees key
+``j`` iff ``i - W < j <= i`` (transformers' ``sliding_window_overlay`` on the causal mask), in all
+three modes. Such a layer's cache never holds more than the last ``W - 1`` context tokens when the
+first continuation token arrives, so the seam does not hand it to the compressor: its segment is
+those ``W - 1`` tokens unchanged (:meth:`Attention._window_segment`), stored bytes = what a
+windowed cache holds, ``kv_reduction`` 1 (docs/architecture.md, "Sliding-window layers").
+Gemma 3 options: ``query_pre_attn_scalar`` (the softmax scale) and ``attn_logit_softcapping``
+(logits -> cap * tanh(logits / cap), computed outside SDPA by :func:`attention_op`).
+
       x [B,T,C] ─► q,k,v ─► RoPE ─┬──────────── full causal K/V (context queries) ─┐
                                   └─► compressor(context K/V) ─► segment K/V ─────────┤
                                                  continuation causal K/V ─────────────┴─► SDPA
@@ -35,7 +44,15 @@ from unicache_train.config import ModelConfig
 from unicache_train.model.kv_cache import KVCache
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import apply_rope
-from unicache_train.seam import CompressionInput, KVCompressor, KVSegment, uncompressed_kv_bytes
+from unicache_train.seam import (
+    CompressionInput,
+    KVCompressor,
+    KVSegment,
+    RecordingCompressor,
+    identity_segment,
+    segment_kv_bytes,
+    uncompressed_kv_bytes,
+)
 
 
 class QKV(NamedTuple):
@@ -71,9 +88,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(C, Hk * D, bias=bias)
         self.v_proj = nn.Linear(C, Hk * D, bias=bias)
         self.o_proj = nn.Linear(H * D, C, bias=False)
-        # Qwen3: per-head RMSNorm over D on queries and keys, before RoPE (HF names).
-        self.q_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
+        # Qwen3 / Gemma 3: per-head RMSNorm over D on queries and keys, before RoPE (HF names).
+        gemma = config.block_style == "gemma3"
+        self.q_norm = RMSNorm(D, config.rms_norm_eps, gemma) if config.qk_norm else None
+        self.k_norm = RMSNorm(D, config.rms_norm_eps, gemma) if config.qk_norm else None
+        #: Sliding window of this layer in tokens, or None (full causal attention).
+        self.window = config.layer_window(layer_idx)
+        #: Softmax scale (None: SDPA's 1/sqrt(D)); Gemma 3: query_pre_attn_scalar**-0.5.
+        self.scale = (
+            None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+        )
+        self.softcap = config.attn_logit_softcapping
 
     def forward(
         self,
@@ -100,11 +125,21 @@ class Attention(nn.Module):
             [B, T, C].
         """
         B, T, _ = x.shape
-        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        H, D = self.num_heads, self.head_dim
         qkv = self.project(x, rope)
         q_rot, k_rot, v, k = qkv.q, qkv.k, qkv.v, qkv.k_pre_rope
 
-        if split is not None and compressor is not None:
+        if split is not None and compressor is not None and self.window is not None:
+            # A windowed layer is not compressed (its cache is bounded by the window): the
+            # segment is the last W - 1 context tokens as they are, and attention over
+            # [segment ; continuation] under the window is the windowed causal attention.
+            segment = self._window_segment(q_rot, k_rot, v, positions, modality_ids, split,
+                                           compressor)
+            if stats is not None:
+                stats.append(segment.stats)
+            mask = sliding_causal_mask(T, T, 0, self.window, x.device)
+            out = self._attend(q_rot, k_rot, v, mask=mask)
+        elif split is not None and compressor is not None:
             segment = self._compress_context(q_rot, k, k_rot, v, positions, modality_ids, split,
                                              compressor, rope)
             if stats is not None:
@@ -120,16 +155,16 @@ class Attention(nn.Module):
             # new tokens.
             cache_bias = getattr(cache, "attention_bias", None)
             if cache_bias is not None:
+                # (a windowed layer's bias also slides, model/compressed_cache.py)
                 mask = cache_bias(self.layer_idx, T, q_rot.dtype)
-            elif T > 1:
-                S = k_all.shape[2]
-                qi = torch.arange(T, device=x.device)[:, None] + past
-                mask = torch.arange(S, device=x.device)[None, :] <= qi  # [T, S]
-            out = F.scaled_dot_product_attention(q_rot, k_all, v_all, attn_mask=mask,
-                                                 enable_gqa=Hk != H)
+            elif T > 1 or self.window is not None:
+                mask = sliding_causal_mask(T, k_all.shape[2], past, self.window, x.device)
+            out = self._attend(q_rot, k_all, v_all, mask=mask)
+        elif self.window is not None:
+            out = self._attend(q_rot, k_rot, v, mask=sliding_causal_mask(T, T, 0, self.window,
+                                                                         x.device))
         else:
-            out = F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=True,
-                                                 enable_gqa=Hk != H)
+            out = self._attend(q_rot, k_rot, v, is_causal=True)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
         return self.o_proj(out)
 
@@ -158,7 +193,69 @@ class Attention(nn.Module):
         cos, sin = rope
         return QKV(q=apply_rope(q, cos, sin), k=apply_rope(k, cos, sin), v=v, k_pre_rope=k)
 
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """:func:`attention_op` with this layer's scale and softcap: q [B, H, T, D], k/v
+        [B, Hk, S, D], mask bool (True = attend) or additive, [T, S] or [B, 1, T, S] ->
+        [B, H, T, D]."""
+        return attention_op(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale,
+                            softcap=self.softcap)  # fmt: skip
+
     # ------------------------------------------------------------------- the compression seam
+    def _window_segment(
+        self,
+        q_rot: torch.Tensor,
+        k_rot: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        modality_ids: torch.Tensor,
+        split: torch.Tensor,
+        compressor: KVCompressor,
+    ) -> KVSegment:
+        """A sliding-window layer's segment: the last ``W - 1`` context tokens, unchanged.
+
+        When the first continuation token (position ``split``) arrives, a window-``W`` cache
+        holds the context tokens ``split - W + 1 .. split - 1`` and never any earlier one, so
+        nothing else could be stored or compressed. Their bytes are the stored bytes and also
+        the baseline (``kv_reduction`` 1): the layer does not count bytes it never stores. A
+        :class:`~unicache_train.seam.RecordingCompressor` (the prefill of compressed decoding)
+        records the segment as if its compressor had returned it; the compressor itself is not
+        called.
+
+        Returns:
+            :class:`KVSegment` over all ``T`` tokens, ``valid`` [B, T] the window's context
+            tokens, ``stats`` with ``kv_bytes`` (0-dim) and ``kv_reduction`` (1).
+        """
+        W = self.window
+        assert W is not None
+        T = k_rot.shape[2]
+        t = torch.arange(T, device=k_rot.device)[None, :]
+        context_mask = t < split[:, None]  # [B, T]
+        inp = CompressionInput(
+            layer_idx=self.layer_idx,
+            num_layers=self.num_layers,
+            queries=q_rot,
+            keys=k_rot,
+            values=v,
+            positions=positions,
+            modality_ids=modality_ids,
+            context_mask=context_mask,
+        )
+        segment = identity_segment(inp)
+        segment.valid = context_mask & (t > split[:, None] - W)  # [B, T]
+        kv = segment_kv_bytes(segment).sum()
+        segment.stats = {"kv_bytes": kv, "kv_reduction": torch.ones_like(kv)}
+        if isinstance(compressor, RecordingCompressor):
+            compressor.inputs[self.layer_idx] = inp
+            compressor.segments[self.layer_idx] = segment
+        return segment
+
     def _compress_context(
         self,
         q_rot: torch.Tensor,
@@ -216,15 +313,77 @@ class Attention(nn.Module):
         if segment.identity:
             # The context's own K/V, untouched: [segment ; continuation] is the causal sequence,
             # and the causal kernel skips the masked blocks the general mask cannot.
-            return F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=True, enable_gqa=gqa)
+            return self._attend(q_rot, k_rot, v, is_causal=True)
         seg_k, seg_v = segment.keys.to(k_rot.dtype), segment.values.to(v.dtype)
-        if segment_attention_mode(q_rot.device) == "per_sample":
+        if segment_attention_mode(q_rot.device) == "per_sample" and self.softcap is None:
             return attend_segment_per_sample(q_rot, k_rot, v, seg_k, seg_v, segment, split,
-                                             enable_gqa=gqa)
+                                             scale=self.scale, enable_gqa=gqa)
         mask = segment_attention_mask(segment, split, q_rot.shape[2], q_rot.dtype)
         keys = torch.cat([seg_k, k_rot], dim=2)  # [B, Hk, M + T, D]
         values = torch.cat([seg_v, v], dim=2)  # [B, Hk, M + T, D]
-        return F.scaled_dot_product_attention(q_rot, keys, values, attn_mask=mask, enable_gqa=gqa)
+        return self._attend(q_rot, keys, values, mask=mask)
+
+
+def sliding_causal_mask(
+    T: int, S: int, past: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """Boolean mask of ``T`` queries at positions ``past .. past + T - 1`` over ``S`` keys at
+    positions ``0 .. S - 1``: key ``j`` visible from query ``i`` iff ``j <= i`` and, with a
+    window, ``i - window < j`` (transformers' ``sliding_window_overlay``).
+
+    Returns:
+        [T, S] bool, True = attend.
+    """
+    i = torch.arange(T, device=device)[:, None] + past
+    j = torch.arange(S, device=device)[None, :]
+    mask = j <= i
+    if window is not None:
+        mask = mask & (j > i - window)
+    return mask
+
+
+def attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention: SDPA, or (with ``softcap``) the explicit form with the logits capped
+    to ``softcap * tanh(logits / softcap)`` before the mask (Gemma's ``attn_logit_softcapping``;
+    softmax in fp32 as transformers' eager attention).
+
+    Args:
+        q: [B, H, T, D]; k: [B, Hk, S, D]; v: [B, Hk, S, Dv] (H a multiple of Hk).
+        mask: bool (True = attend) or additive float, broadcastable to [B, H, T, S].
+        is_causal: causal over ``T == S`` (instead of a mask).
+        scale: logit scale (None: 1/sqrt(D)).
+
+    Returns:
+        [B, H, T, Dv].
+    """
+    gqa = k.shape[1] != q.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=gqa)  # fmt: skip
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = torch.matmul(q, k.transpose(-1, -2)) * s  # [B, H, T, S]
+    logits = torch.tanh(logits / softcap) * softcap
+    if is_causal:
+        mask = sliding_causal_mask(q.shape[2], k.shape[2], 0, None, q.device)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+        else:
+            logits = logits + mask
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def count_bias(counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -384,8 +543,10 @@ __all__ = [
     "Attention",
     "QKV",
     "attend_segment_per_sample",
+    "attention_op",
     "count_bias",
     "kv_bytes_per_token",
     "segment_attention_mask",
     "segment_attention_mode",
+    "sliding_causal_mask",
 ]

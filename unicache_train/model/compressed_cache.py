@@ -11,6 +11,11 @@ decoded tokens, new tokens of a call, head dim.
                                                                                    │
     decode step: new token ─► q,k,v ─► attends [dequantized segment (+log count) ; decoded K/V]
 
+Sliding-window layers (``windows[l] = W``): the stored segment is the last ``W - 1`` context
+tokens unchanged (the seam never compresses them, model/attention.py), and both the segment and
+the decoded tokens slide: query position ``p`` sees an entry at position ``q`` iff
+``p - W < q <= p``; decoded tokens that no later query can see are dropped from the cache.
+
 A :class:`StoredSegment` is built from the :class:`~unicache_train.seam.KVSegment` a compressor
 returned at the seam during the prefill (:func:`unicache_train.model.generate.prefill_compressed`);
 it keeps what a deployed cache would hold: the packed storage, one copy per head group, the
@@ -53,7 +58,8 @@ class StoredSegment:
         context_tokens: [B] long, context length before compression (the byte baseline).
         lowrank: the xKV factors; ``keys``/``values`` are then None and rebuilt on demand
             (keys factorised before RoPE are rotated at ``positions``).
-        positions: [B, M] entry positions (read by ``lowrank`` pre-RoPE keys).
+        positions: [B, M] entry positions (read by ``lowrank`` pre-RoPE keys and by a sliding
+            window).
     """
 
     head_map: torch.Tensor
@@ -210,15 +216,29 @@ class CompressedKVCache(KVCache):
     Args:
         num_layers: decoder depth.
         cache_dtype_bytes: bytes per element of the deployed floating cache (byte accounting).
+        windows: per layer, the sliding window in tokens or None (default: no windows). The
+            decoded queries of sample ``b`` are at positions ``context_tokens[b] + n`` (the
+            prefill's positions continue), which the window compares with entry positions.
     """
 
-    def __init__(self, num_layers: int, cache_dtype_bytes: int = 2) -> None:
+    def __init__(
+        self, num_layers: int, cache_dtype_bytes: int = 2, windows: list[int | None] | None = None
+    ) -> None:
         super().__init__(num_layers)
         self.segments: list[StoredSegment | None] = [None] * num_layers
         self.cache_dtype_bytes = cache_dtype_bytes
         self.stats: list[dict[str, torch.Tensor]] = []
+        self.windows: list[int | None] = [None] * num_layers if windows is None else list(windows)
+        if len(self.windows) != num_layers:
+            raise ValueError(f"windows has {len(self.windows)} entries for {num_layers} layers")
+        #: Decoded tokens dropped from the front of a windowed layer (out of every window).
+        self.dropped: list[int] = [0] * num_layers
 
     def set_segment(self, layer_idx: int, segment: StoredSegment) -> None:
+        if self.windows[layer_idx] is not None and segment.positions is None:
+            raise ValueError(
+                f"layer {layer_idx} has a sliding window: its segment needs entry positions"
+            )
         self.segments[layer_idx] = segment
 
     def _segment(self, layer_idx: int) -> StoredSegment:
@@ -228,16 +248,27 @@ class CompressedKVCache(KVCache):
         return seg
 
     def num_decoded(self, layer_idx: int = 0) -> int:
-        return super().length(layer_idx)
+        """Tokens decoded so far (held or, in a windowed layer, dropped)."""
+        return self.dropped[layer_idx] + super().length(layer_idx)
 
     def length(self, layer_idx: int = 0) -> int:
-        """Attended entries of a layer: segment slots + decoded tokens."""
-        return self._segment(layer_idx).valid.shape[1] + self.num_decoded(layer_idx)
+        """Attended entries of a layer: segment slots + held decoded tokens."""
+        return self._segment(layer_idx).valid.shape[1] + super().length(layer_idx)
 
     def update(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k/v [B, Hk, T, D]; return [segment ; decoded] keys/values [B, Hk, M + S, D]."""
+        """Append k/v [B, Hk, T, D]; return [segment ; held decoded] keys/values
+        [B, Hk, M + S, D]. A windowed layer first drops the decoded tokens that the next query
+        (decoded index ``n``) cannot see: those before ``n - W + 1``."""
+        W = self.windows[layer_idx]
+        held = self.keys[layer_idx]
+        if W is not None and held is not None:
+            drop = max(0, self.num_decoded(layer_idx) - W + 1 - self.dropped[layer_idx])
+            if drop:
+                self.keys[layer_idx] = held[:, :, drop:]
+                self.values[layer_idx] = self.values[layer_idx][:, :, drop:]  # type: ignore[index]
+                self.dropped[layer_idx] += drop
         k_dec, v_dec = super().update(layer_idx, k, v)  # [B, Hk, S, D]
         k_seg, v_seg = self._segment(layer_idx).kv(k.dtype)  # [B, Hk, M, D]
         return torch.cat([k_seg, k_dec], 2), torch.cat([v_seg, v_dec], 2)
@@ -246,20 +277,30 @@ class CompressedKVCache(KVCache):
         """Additive bias of the last ``T`` decoded queries over ``[segment ; decoded]`` keys.
 
         Segment entries: ``log(count)`` where valid (as the in-loop seam), masked elsewhere;
-        decoded tokens: causal.
+        decoded tokens: causal. A windowed layer also masks entries and decoded tokens at
+        or before ``query position - W``.
 
         Returns:
-            [B, 1, T, M + S].
+            [B, 1, T, M + S] (S: held decoded tokens).
         """
         seg = self._segment(layer_idx)
-        S = self.num_decoded(layer_idx)
+        W = self.windows[layer_idx]
+        B, device = seg.valid.shape[0], seg.valid.device
+        S = super().length(layer_idx)  # held decoded tokens
+        n = torch.arange(T, device=device) + (self.num_decoded(layer_idx) - T)  # [T] query index
+        m = torch.arange(S, device=device) + self.dropped[layer_idx]  # [S] held token index
         neg = torch.finfo(dtype).min
-        seg_bias = count_bias(seg.counts, dtype)  # [B, M]
-        seg_part = torch.where(seg.valid, seg_bias, neg)[:, None, :].expand(-1, T, -1)  # [B, T, M]
-        qi = torch.arange(T, device=seg.valid.device)[:, None] + (S - T)
-        causal = torch.arange(S, device=seg.valid.device)[None, :] <= qi  # [T, S]
-        dec_part = torch.where(causal, 0.0, neg).to(dtype).expand(seg.valid.shape[0], T, S)
-        return torch.cat([seg_part, dec_part], dim=-1)[:, None]
+        seg_ok = seg.valid[:, None, :].expand(-1, T, -1)  # [B, T, M]
+        dec_ok = m[None, :] <= n[:, None]  # [T, S]
+        if W is not None:
+            assert seg.positions is not None
+            q_pos = seg.context_tokens[:, None] + n[None, :]  # [B, T]
+            seg_ok = seg_ok & (seg.positions[:, None, :] > q_pos[:, :, None] - W)
+            dec_ok = dec_ok & (m[None, :] > n[:, None] - W)
+        seg_bias = count_bias(seg.counts, dtype)[:, None, :]  # [B, 1, M]
+        seg_part = torch.where(seg_ok, seg_bias, neg)  # [B, T, M]
+        dec_part = torch.where(dec_ok, 0.0, neg).to(dtype).expand(B, T, S)
+        return torch.cat([seg_part.to(dtype), dec_part], dim=-1)[:, None]
 
     # ----------------------------------------------------------------------------- bytes
     def kv_bytes(self, include_metadata: bool = True) -> int:

@@ -7,6 +7,16 @@ Block (residual mode ``residual``)::
     x ─┬─► input_layernorm ─► self_attn ─► (+) ─┬─► post_attention_layernorm ─► mlp ─► (+) ─► x'
        └────────────────────────────────────────┘└───────────────────────────────────────┘
 
+Block (``block_style="gemma3"``, Gemma 3: four (1 + w) RMSNorms, tanh-GELU GeGLU ``mlp``)::
+
+    x ─┬─► input_layernorm ─► self_attn ─► post_attention_layernorm ─► (+) ─┬─►
+       └────────────────────────────────────────────────────────────────────┘│
+       ┌─────────────────────────────────────────────────────────────────────┘
+    ───┴─► pre_feedforward_layernorm ─► mlp ─► post_feedforward_layernorm ─► (+) ─► x'
+
+with embeddings scaled by ``sqrt(hidden_size)`` (in the weight dtype, as transformers), the
+sliding layers' RoPE at ``rope_local_theta`` and the logits capped by ``final_logit_softcapping``.
+
 ``mlp`` is a SwiGLU, or from layer ``first_k_dense_replace`` on (``n_routed_experts > 0``) a
 DeepSeek MoE FFN (:mod:`unicache_train.model.moe`); either is a sub-layer ``[.., C] -> [.., C]``.
 
@@ -80,19 +90,28 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        gemma = config.block_style == "gemma3"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma)
         if config.attention_type == "mla":
             from unicache_train.model.mla import MLAttention
 
             self.self_attn: nn.Module = MLAttention(config, layer_idx)
         else:
             self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma)
+        # Gemma 3: norms after attention and around the FFN (post_attention_layernorm then
+        # normalises the attention output instead of the FFN input).
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                      True)  # fmt: skip
         # DeepSeek MoE FFN from layer first_k_dense_replace on (see model/moe.py).
         self.mlp: nn.Module = (
             MoE(config)
             if config.is_moe_layer(layer_idx)
-            else SwiGLU(config.hidden_size, config.intermediate_size)
+            else SwiGLU(config.hidden_size, config.intermediate_size,
+                        "gelu_pytorch_tanh" if gemma else "silu")
         )
         self.attn_hc, self.ffn_hc = build_connections(config)
 
@@ -104,6 +123,13 @@ class Block(nn.Module):
 
         def mlp(h: torch.Tensor) -> torch.Tensor:
             return self.mlp(self.post_attention_layernorm(h))
+
+        if self.pre_feedforward_layernorm is not None:  # Gemma 3
+            assert self.post_feedforward_layernorm is not None
+            x = x + self.post_attention_layernorm(attn(x))
+            return x + self.post_feedforward_layernorm(
+                self.mlp(self.pre_feedforward_layernorm(x))
+            )
 
         if self.attn_hc is None:
             x = x + attn(x)
@@ -126,12 +152,18 @@ class Decoder(nn.Module):
             from unicache_train.model.mhc import HyperHead
 
             self.hc_head = HyperHead(config)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                            config.block_style == "gemma3")  # fmt: skip
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         rope_dim = config.qk_rope_head_dim if config.attention_type == "mla" else config.head_size
         self.rotary = RotaryEmbedding(
             rope_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
+        # Gemma 3: the sliding layers' own RoPE base (unscaled, as transformers' default there).
+        self.rotary_local: RotaryEmbedding | None = None
+        if config.rope_local_theta is not None and config.has_sliding_layers:
+            self.rotary_local = RotaryEmbedding(rope_dim, config.rope_local_theta, None,
+                                                config.max_position_embeddings)  # fmt: skip
         self.reset_parameters()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -223,7 +255,7 @@ class Decoder(nn.Module):
         if split is not None:
             ref = input_ids if inputs_embeds is None else inputs_embeds
             check_split(split, ref.shape[0], ref.shape[1])
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, C]
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, C]
         B, T = x.shape[:2]
         if positions is None:
             start = cache.length() if cache is not None else 0
@@ -232,6 +264,11 @@ class Decoder(nn.Module):
             modality_ids = torch.zeros(B, T, dtype=torch.long, device=x.device)
         reference = None
         cross = find_cross_layer(compressor)
+        if cross is not None and self.config.has_sliding_layers:
+            raise NotImplementedError(
+                "a cross-layer compressor (xKV) on a model with sliding-window layers is not "
+                "implemented (windowed layers are not compressed, model/attention.py)"
+            )
         if cross is not None and cross.records_context:
             assert split is not None and compressor is not None
             compressor, reference = self._fit_cross_layer(
@@ -249,6 +286,14 @@ class Decoder(nn.Module):
                     reference = self._stack(x, positions, modality_ids, logits_at=logits_at).logits
             out.reference_logits = reference
         return out
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [B, T] -> [B, T, C]; Gemma 3 scales them by ``sqrt(hidden_size)``
+        rounded to the weight dtype (as transformers' ``Gemma3TextScaledWordEmbedding``)."""
+        x = self.embed_tokens(input_ids)
+        if self.config.block_style == "gemma3":
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype, device=x.device)
+        return x
 
     def _fit_cross_layer(
         self,
@@ -306,13 +351,14 @@ class Decoder(nn.Module):
         the blocks only, for a pass whose logits nobody reads; the logits are then empty)."""
         B, T = x.shape[:2]
         rope = self.rotary(positions, x.dtype)
+        rope_local = rope if self.rotary_local is None else self.rotary_local(positions, x.dtype)
         stats: list[dict[str, torch.Tensor]] = []
-        kwargs = dict(rope=rope, positions=positions, modality_ids=modality_ids, cache=cache,
+        kwargs = dict(positions=positions, modality_ids=modality_ids, cache=cache,
                       split=split, compressor=compressor, stats=stats)  # fmt: skip
         if self.hc_head is not None:
             x = x.unsqueeze(2).expand(B, T, self.num_streams, x.shape[-1])  # [B, T, n, C]
-        for layer in self.layers:
-            x = layer(x, **kwargs)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope=rope_local if self.config.is_sliding_layer(i) else rope, **kwargs)
         if not head:
             return DecoderOutput(logits=x.new_empty(0), compression_stats=stats)
         if self.hc_head is not None:
@@ -325,6 +371,9 @@ class Decoder(nn.Module):
                 )
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, C]
         logits = self.lm_head(self.norm(x))  # [B, T or K, V]
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return DecoderOutput(logits=logits, compression_stats=stats)
 
     # ---------------------------------------------------------------------------- generation

@@ -19,9 +19,11 @@ values the seam attended).
 
 The prefill goes through the model's compression seam with every prompt token as context, so the
 compressor receives exactly the :class:`~unicache_train.seam.CompressionInput` it gets in
-training (queries for its observation window included). Ragged prompts of a batch are right
-padded to the longest; padding lies after each sample's split, so causal attention and the
-compressor (which only reads context tokens) never see it.
+training (queries for its observation window included). A sliding-window layer's segment is its
+last ``W - 1`` context tokens, unchanged, and decoding slides over them and over the decoded
+tokens (:class:`~unicache_train.model.compressed_cache.CompressedKVCache`). Ragged prompts of a
+batch are right padded to the longest; padding lies after each sample's split, so causal
+attention and the compressor (which only reads context tokens) never see it.
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ def prefill_compressed(
                     logits_at=last_pos)
     else:
         out = model(ids, modality_ids=mods, split=split_t, compressor=capture, logits_at=last_pos)
-    cache = CompressedKVCache(model.config.num_hidden_layers, cache_dtype_bytes)
+    L = model.config.num_hidden_layers
+    windows = [model.config.layer_window(i) for i in range(L)]
+    cache = CompressedKVCache(L, cache_dtype_bytes, windows=windows)
     for layer_idx, seg in capture.segments.items():
         if capture.pre_rope and seg.quant is not None:
             raise NotImplementedError(
@@ -115,7 +119,11 @@ def prefill_compressed(
         # NOTE: the seam rotated a pre-RoPE segment's keys in place of seg.keys after the
         # compressor returned; the recorder kept the object (not a copy): the rotated keys.
         n_ctx = capture.inputs[layer_idx].context_mask.sum(1)
-        cache.set_segment(layer_idx, StoredSegment.from_segment(seg, n_ctx))
+        stored = StoredSegment.from_segment(seg, n_ctx)
+        if windows[layer_idx] is not None:
+            # The window's context tokens (model/attention.py); the window compares positions.
+            stored.positions = seg.positions
+        cache.set_segment(layer_idx, stored)
     cache.stats = out.compression_stats
     return cache, out.logits[:, 0]  # [B, V]
 

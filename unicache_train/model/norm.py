@@ -6,13 +6,17 @@ import torch
 from torch import nn
 
 
-def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, eps: float, weight: torch.Tensor | None = None, unit_offset: bool = False
+) -> torch.Tensor:
     """Root-mean-square normalisation over the last dim, computed in fp32.
 
     Args:
         x: [..., C] activations of any float dtype.
         eps: added to the mean square before the square root.
         weight: optional [C] gain.
+        unit_offset: Gemma's form: the gain is ``1 + weight`` and multiplies in fp32 before the
+            cast back (Llama multiplies ``weight`` after the cast).
 
     Returns:
         [..., C] in the dtype of ``x``.
@@ -20,6 +24,9 @@ def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) ->
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        gain = 1.0 if weight is None else 1.0 + weight.float()
+        return (h * gain).to(dtype)
     if weight is not None:
         # NOTE: the gain multiplies in the input dtype, as in HF Llama, for bit-parity on import.
         return weight * h.to(dtype)
@@ -27,12 +34,17 @@ def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) ->
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with a learned gain (Zhang & Sennrich, arXiv 1910.07467)."""
+    """RMSNorm with a learned gain (Zhang & Sennrich, arXiv 1910.07467).
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    ``unit_offset=True`` is Gemma's parametrisation: gain ``1 + weight``, ``weight`` starting at
+    zero (HF ``Gemma3RMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.eps, self.weight)
+        """x: [..., dim] -> [..., dim] (dtype of x)."""
+        return rms_norm(x, self.eps, self.weight, self.unit_offset)
