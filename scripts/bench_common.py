@@ -57,6 +57,29 @@ class Case:
     svd_times: list[float] = field(default_factory=list)
     rate_realized: float = float("nan")
     kv_reduction: float = float("nan")
+    peak_step_bytes: int | None = None
+
+
+def measure_peak_step_bytes(case: Case, batch: dict[str, torch.Tensor], i: int) -> int:
+    """Peak of the bytes the CPU allocator holds during one step above what it held when the
+    step began (activations, gradients, temporaries; the weights and the optimizer state that
+    already exist are not counted): ``torch.profiler`` memory events, tracemalloc-style. Run
+    after a warm-up step so that the optimizer state exists."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        case.step(batch, i)
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    events = prof.profiler.kineto_results.experimental_event_tree()
+    allocs = [e for e in walk(events) if e.tag == _EventType.Allocation]
+    totals = [e.extra_fields.total_allocated for e in allocs]
+    return max(totals, default=0)
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,7 +23,9 @@ Usage:
   python scripts/bench_compress_overhead.py --hf smollm2 --batch-size 4 --seq-len 192 \
       --no-kl --xkv --repeats 3 --warmup 1 --batches 2 --threads 1
 
-Appends one row per case to ``scripts/results/bench_compress_overhead.csv`` with the machine.
+Appends one row per case to ``scripts/results/bench_compress_overhead.csv`` with the machine
+(``--memory-only``: ``bench_compress_memory.csv``, the peak allocator bytes of one step above
+the weights and optimizer state; valid on a loaded machine, unlike the timings).
 Never imported by the library.
 
 On a loaded machine use ``--threads 1``: with more threads than free cores every small op waits
@@ -45,6 +47,7 @@ from bench_common import (
     add_common_arguments,
     bench_data,
     load_batches,
+    measure_peak_step_bytes,
     optimizer,
     report,
     time_round_robin,
@@ -154,16 +157,32 @@ def run(args) -> list[Case]:
     cases = [setup(args, state) for setup in SETUPS]
     cases = [c for c in cases if args.kl or c.name != "inloop_kl"]
     cases = [c for c in cases if args.xkv or c.name != "inloop_xkv"]
-    time_round_robin(cases, batches, args.warmup, args.repeats)
+    if args.memory or args.memory_only:
+        for c in cases:  # one warm-up step first: the optimizer state exists
+            c.step(batches[0], 0)
+        for c in cases:
+            c.peak_step_bytes = measure_peak_step_bytes(c, batches[0], 1)
+            print(f"{c.name}: peak {c.peak_step_bytes / 2**20:.1f} MiB above the state", flush=True)
+    if not args.memory_only:
+        time_round_robin(cases, batches, args.warmup, args.repeats)
     return cases
 
 
 def write_report(args, cases: list[Case]) -> None:
     plain = next(c for c in cases if c.name == "plain")
+    def memory(c: Case) -> dict[str, str]:
+        if c.peak_step_bytes is None:
+            return {}
+        return {
+            "peak_step_mib": f"{c.peak_step_bytes / 2**20:.1f}",
+            "peak_vs_plain": f"{c.peak_step_bytes / plain.peak_step_bytes:.2f}",
+        }
+
     rows = [
         {
             "case": c.name,
-            **timing_columns(c, plain, "plain"),
+            **({} if args.memory_only else timing_columns(c, plain, "plain")),
+            **memory(c),
             "rate_realized": f"{c.rate_realized:.3f}",
             "kv_reduction": f"{c.kv_reduction:.2f}",
         }
@@ -174,7 +193,8 @@ def write_report(args, cases: list[Case]) -> None:
         f"training step, {args.hf or 'tiny'}: {mc.num_hidden_layers} layers x "
         f"{mc.hidden_size}, B={args.batch_size}, "
         f"T={args.seq_len}, UniCache text_style_baseline rate {args.rate}, int{args.bits}, "
-        f"{args.repeats} repeats (round-robin)"
+        + ("peak memory of one step (no timing)" if args.memory_only
+           else f"{args.repeats} repeats (round-robin)")
     )
     setup = {
         "layers": mc.num_hidden_layers if not args.hf else f"{args.hf} ({mc.num_hidden_layers})",
@@ -185,7 +205,9 @@ def write_report(args, cases: list[Case]) -> None:
         "bits": args.bits,
         "repeats": args.repeats,
     }
-    report(title, rows, "bench_compress_overhead", setup)
+    # peak memory rows have their own columns: their own CSV
+    report(title, rows, "bench_compress_memory" if args.memory_only else "bench_compress_overhead",
+           setup)  # fmt: skip
 
 
 def main() -> None:
@@ -197,6 +219,10 @@ def main() -> None:
     p.add_argument("--hf", default=None, help="a fetched checkpoint name (smollm2) or HF dir")
     p.add_argument("--xkv", action="store_true", help="also xKV in the loop (inloop_xkv)")
     p.add_argument("--xkv-reduction", type=float, default=4.0, help="xKV KV reduction")
+    p.add_argument("--memory", action="store_true",
+                   help="also the peak allocator bytes of one step (torch.profiler)")
+    p.add_argument("--memory-only", action="store_true",
+                   help="only the peak memory (no timing: valid on a loaded machine)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
