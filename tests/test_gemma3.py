@@ -175,3 +175,41 @@ def test_config_and_export_errors(tmp_path):
     (tmp_path / "src" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(HFCheckpointError, match="hidden_activation='gelu'"):
         import_hf(tmp_path / "src")
+
+
+# ------------------------------------------------------------------ the real Gemma 3 270M
+def _gemma3_dir():
+    from unicache_train.checkpoint.gguf import CheckpointNotFetched, fetched_dir
+
+    try:
+        return fetched_dir("gemma3")
+    except CheckpointNotFetched as err:
+        pytest.skip(str(err))
+
+
+@pytest.mark.slow  # a 270M model with a 262k vocabulary on CPU (about a minute)
+@torch.no_grad()
+def test_real_gemma3_270m_import_matches_transformers():
+    """The Q4_K_M GGUF dequantized by transformers (``unicache-train fetch --name gemma3``):
+    our import against transformers' Gemma3ForCausalLM on the same weights, on a prompt longer
+    than the 512-token window, and greedy generation."""
+    from transformers import AutoModelForCausalLM
+
+    from unicache_train.data.reference_text import reference_documents
+    from unicache_train.data.tokenizer import load_tokenizer
+
+    path = _gemma3_dir()
+    ours, config = import_hf(path)
+    assert (config.num_hidden_layers, config.hidden_size, config.head_size) == (18, 640, 256)
+    assert config.sliding_window == 512 and config.block_style == "gemma3"
+    assert sum(config.is_sliding_layer(i) for i in range(18)) == 15
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = load_tokenizer(str(path))
+    text = "\n\n".join(reference_documents("heldout"))
+    ids = torch.tensor([tok.encode(text, add_bos=True)[:600]])  # > the window
+    a, b = ours(ids).logits, ref(ids).logits
+    assert float((a - b).abs().max()) <= 1e-4 * float(b.abs().max())
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    prompt = torch.tensor([tok.encode("The capital of France is", add_bos=True)])
+    want = ref.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert torch.equal(ours.generate(prompt, 12), want)

