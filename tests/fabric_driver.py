@@ -5,10 +5,12 @@
 
 Runs :func:`unicache_train.train.run.fit` on the default :class:`RunConfig` plus the overrides,
 with a callback that appends one JSON line per rank and training step to ``RECORD.jsonl``:
-``{"rank", "step", "loss", "batch"}`` (``step``: the global step the batch trained; ``batch``: a
-fingerprint of its ``input_ids``). ``--kill-in-save STEP`` makes rank ``--kill-rank`` write
-half of its ZeRO optimizer shard of the step-``STEP`` checkpoint and then SIGKILL itself (a
-rank dying in the middle of a checkpoint write).
+``{"rank", "step", "loss", "batch", "weights"}`` (``step``: the global step the batch trained;
+``batch``: a fingerprint of its ``input_ids``; ``weights``: a fingerprint of the model's
+parameters after the step, null under ZeRO-3 where a rank holds only its partition).
+``--kill-in-save STEP`` makes rank ``--kill-rank`` write half of its ZeRO optimizer shard of the
+step-``STEP`` checkpoint and then SIGKILL itself (a rank dying in the middle of a checkpoint
+write).
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ def batch_fingerprint(input_ids: torch.Tensor) -> str:
     return hashlib.sha1(input_ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16]
 
 
+def weights_fingerprint(model: torch.nn.Module) -> str | None:
+    """A short hash of every parameter's bytes; None when ZeRO-3 has partitioned them."""
+    h = hashlib.sha1()
+    for name, p in model.named_parameters():
+        if hasattr(p, "ds_id"):  # a ZeRO-3 parameter: this rank holds a slice only
+            return None
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 class Recorder(L.Callback):
     def __init__(self, path: str) -> None:
         self.path = path
@@ -41,6 +54,7 @@ class Recorder(L.Callback):
             "step": trainer.global_step - 1,  # global_step already counts this batch's update
             "loss": float(outputs["loss"]),
             "batch": batch_fingerprint(batch["input_ids"]),
+            "weights": weights_fingerprint(pl_module),
         }
         with open(self.path, "a") as fh:
             fh.write(json.dumps(row) + "\n")

@@ -99,6 +99,8 @@ def test_zero_directory_swap_killed_between_renames_resumes_from_old(tmp_path, m
 
 
 def test_resume_of_a_zero_checkpoint_on_another_world_size_is_a_clear_error(tmp_path):
+    """When re-sharding is impossible (here the shards are empty files, so the conversion to a
+    universal checkpoint fails), the message names both world sizes."""
     ckpt = _fake_zero_dir(tmp_path / "last.ckpt", 4)
     for rank in range(2):
         (ckpt / "checkpoint" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
@@ -119,7 +121,8 @@ def test_world_size_change_on_resume_warns(tmp_path):
     fit(RunConfig.from_dict(apply_overrides({}, [*args, "train.max_steps=2"])))
     last = tmp_path / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, weights_only=True)
-    ckpt["world_size"] = 2  # as if 2 ranks had written it
+    ckpt["world_size"] = 2  # as if 2 ranks had written it (the same per-rank batch)
+    ckpt["global_batch"] = 4
     torch.save(ckpt, last)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

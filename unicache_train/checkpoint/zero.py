@@ -13,6 +13,28 @@ A ZeRO checkpoint is a directory, one shard per rank::
 keys, ``model.*``) and optionally writes a plain Lightning ``.ckpt`` file that
 :func:`unicache_train.checkpoint.load_checkpoint` and ``LMModule.load_from_checkpoint`` read.
 
+Resuming on another number of ranks. Each ``*_optim_states.pt`` holds one rank's slice of the
+flat fp32 master weights and AdamW moments, so a run with a different data-parallel size cannot
+read them directly. :func:`to_universal_checkpoint` converts them once, with DeepSpeed's
+``ds_to_universal``, into DeepSpeed's *universal* layout inside the same directory: one
+unsharded tensor per parameter and state (fp32 weight, ``exp_avg``, ``exp_avg_sq``, ``step``),
+which an engine of any size re-slices while loading (``"checkpoint": {"load_universal": true}``;
+the strategy turns it on for that one load, see ``AtomicDeepSpeedStrategy.load_checkpoint``)::
+
+    step000008.ckpt/
+    ├── latest, checkpoint/, ...        as above, untouched
+    ├── latest_universal                the universal tag ("universal")
+    └── universal/
+        ├── mp_rank_00_model_states.pt  copied: Lightning's client state
+        └── zero/
+            ├── optimizer_state.pt      param groups (lr, betas, weight decay), ZeRO settings
+            └── <param name>/{fp32,exp_avg,exp_avg_sq,step}.pt
+
+Weights, moments and step come back exactly (copies, no arithmetic), so a resume on another
+world size with the same global batch continues the loss curve up to the summation order of the
+gradient all-reduce. The conversion lives and dies with its checkpoint: when ``last.ckpt`` is
+replaced by the next save, its universal copy goes with it.
+
 Crash safety: a checkpoint is written under a temporary name in its final directory
 (``NAME.tmp``) and renamed into place once every rank has finished (:func:`publish`). A file is
 replaced by one atomic ``os.replace``; a directory cannot be (``rename`` refuses a non-empty
@@ -23,6 +45,10 @@ complete ``NAME.old``, which :func:`find_resume_checkpoint` falls back to.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -31,7 +57,7 @@ from typing import Any
 
 import torch
 
-from unicache_train.checkpoint.safe_load import check_zero_files, load_torch_file
+from unicache_train.checkpoint.safe_load import check_torch_file, check_zero_files, load_torch_file
 
 __all__ = [
     "TMP_SUFFIX",
@@ -40,6 +66,10 @@ __all__ = [
     "zero_world_size",
     "consolidate_zero_checkpoint",
     "read_zero_client_state",
+    "UNIVERSAL_TAG",
+    "has_universal_checkpoint",
+    "to_universal_checkpoint",
+    "check_universal_files",
     "temporary_path",
     "remove_path",
     "atomic_write",
@@ -48,8 +78,12 @@ __all__ = [
     "find_resume_checkpoint",
 ]
 
+log = logging.getLogger(__name__)
+
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old"
+UNIVERSAL_TAG = "universal"  # the tag directory of the universal copy
+_LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's name for the file naming that tag
 
 # Keys DeepSpeed adds to the client state; everything else is Lightning's checkpoint dict.
 _DEEPSPEED_KEYS = (
@@ -70,6 +104,7 @@ _DEEPSPEED_KEYS = (
     "global_samples",
     "dp_world_size",
     "mp_world_size",
+    "checkpoint_parallel_dimensions",
     "ds_config",
     "ds_version",
 )
@@ -169,6 +204,103 @@ def consolidate_zero_checkpoint(
         client["state_dict"] = state
         atomic_write(Path(out_file), lambda tmp: torch.save(client, tmp))
     return state
+
+
+# --------------------------------------------------------------------------------- universal
+def has_universal_checkpoint(ckpt_dir: str | Path) -> bool:
+    """True when ``ckpt_dir`` holds a complete universal copy (written by
+    :func:`to_universal_checkpoint`; ``latest_universal`` is written last)."""
+    ckpt_dir = Path(ckpt_dir)
+    latest = ckpt_dir / _LATEST_UNIVERSAL
+    return (
+        latest.is_file()
+        and latest.read_text().strip() == UNIVERSAL_TAG
+        and (ckpt_dir / UNIVERSAL_TAG / "zero" / "optimizer_state.pt").is_file()
+    )
+
+
+def check_universal_files(ckpt_dir: str | Path) -> list[Path]:
+    """Check every file DeepSpeed's universal loader will unpickle (it reads them with
+    ``weights_only=False``) with the restricted unpickler first.
+
+    Returns:
+        The files checked.
+
+    Raises:
+        UnsafeCheckpointError: a file needs more than plain data (named in the message).
+    """
+    return _check_tree(Path(ckpt_dir) / UNIVERSAL_TAG)
+
+
+def _check_tree(tag_dir: Path) -> list[Path]:
+    files = sorted(p for p in tag_dir.rglob("*.pt") if p.is_file())
+    for f in files:
+        check_torch_file(f, deepspeed=True)
+    return files
+
+
+def to_universal_checkpoint(ckpt_dir: str | Path, workers: int = 1) -> Path:
+    """Convert a ZeRO stage 1/2/3 checkpoint to DeepSpeed's universal layout (see the module doc),
+    once: an existing complete conversion is kept.
+
+    Written under ``universal.tmp`` by ``deepspeed.checkpoint.ds_to_universal``, renamed to
+    ``universal``, then ``latest_universal`` is written atomically; a kill at any point leaves
+    either no ``latest_universal`` (the next call converts again) or a complete copy.
+
+    Args:
+        ckpt_dir: the checkpoint directory (``.../step000008.ckpt``), written by any number of
+            data-parallel ranks (no tensor or pipeline parallelism).
+        workers: processes extracting and merging the shards (1: in this process, which is
+            what a training rank should use; more for a large checkpoint converted offline).
+
+    Returns:
+        ``ckpt_dir``: the directory to give ``engine.load_checkpoint`` with
+        ``load_universal`` on.
+
+    Raises:
+        ValueError: not a ZeRO checkpoint directory, or ``workers < 1``.
+        UnsafeCheckpointError: a shard, or a file of the result, needs more than plain data.
+    """
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    ckpt_dir = Path(ckpt_dir)
+    if workers < 1:
+        raise ValueError(f"workers={workers}: must be >= 1")
+    tag_dir = _tag_dir(ckpt_dir)
+    if has_universal_checkpoint(ckpt_dir):
+        check_universal_files(ckpt_dir)
+        return ckpt_dir
+    check_zero_files(ckpt_dir)  # NOTE: before ds_to_universal unpickles the shards in full
+    out, tmp = ckpt_dir / UNIVERSAL_TAG, temporary_path(ckpt_dir / UNIVERSAL_TAG)
+    for stale in (ckpt_dir / _LATEST_UNIVERSAL, tmp, out):
+        remove_path(stale)
+    args = argparse.Namespace(
+        input_folder=str(tag_dir),
+        output_folder=str(tmp),
+        num_extract_workers=workers,
+        num_merge_workers=workers,
+        keep_temp_folder=False,
+        strict=True,
+        # Lightning's engine records no UNIVERSAL_CHECKPOINT_INFO (it is for Megatron's tensor
+        # and pipeline patterns, which a pure data-parallel checkpoint does not have).
+        inject_missing_state=True,
+    )
+    report = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(report), contextlib.redirect_stderr(report):
+            ds_to_universal(args)  # prints its progress; kept for the debug log
+        # ds_to_universal names its output in a latest_universal of its own: ours comes last.
+        remove_path(ckpt_dir / _LATEST_UNIVERSAL)
+        _check_tree(tmp)
+    except BaseException:
+        remove_path(tmp)
+        raise
+    log.debug("ds_to_universal %s:\n%s", tag_dir, report.getvalue())
+    publish(tmp, out)
+    atomic_write(ckpt_dir / _LATEST_UNIVERSAL, lambda f: f.write_text(UNIVERSAL_TAG))
+    log.info("converted %s (%d ranks) to a universal checkpoint", ckpt_dir,
+             zero_world_size(ckpt_dir))
+    return ckpt_dir
 
 
 # --------------------------------------------------------------------------------- crash safety

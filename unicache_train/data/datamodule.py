@@ -567,11 +567,7 @@ class LMDataModule(L.LightningDataModule):
         """Make ``sampler``'s next iteration continue from the saved :meth:`train_position`."""
         if "epoch" not in state:
             return
-        current = {
-            "seed": self.config.seed,
-            "batch_size": self.config.batch_size,
-            "num_train": len(sampler.dataset),
-        }
+        current = {"seed": self.config.seed, "num_train": len(sampler.dataset)}
         changed = {k: (state.get(k), v) for k, v in current.items() if state.get(k) != v}
         if changed:
             warnings.warn(
@@ -581,15 +577,17 @@ class LMDataModule(L.LightningDataModule):
             )
             sampler.resume_at(state["epoch"], 0)
             return
-        consumed = state["batches"] * state["batch_size"]  # samples this rank already trained on
-        saved_world = state.get("world_size", 1)
-        if saved_world != sampler.num_replicas:
+        # Samples of the epoch's permutation trained on, over all ranks. Every world size shards
+        # the permutation the same way (rank r takes samples r, r + W, r + 2W, ...), so the next
+        # sample is the same whatever the number of ranks and the per-rank batch are now.
+        done = state["batches"] * state["batch_size"] * state.get("world_size", 1)
+        consumed, skew = divmod(done, sampler.num_replicas)  # consumed: per rank
+        if skew:
             warnings.warn(
-                f"resuming on {sampler.num_replicas} ranks from a checkpoint written on "
-                f"{saved_world}: the interrupted epoch continues approximately",
+                f"resuming on {sampler.num_replicas} ranks after {done} samples of the epoch, "
+                f"not a multiple of {sampler.num_replicas}: {skew} samples are trained again",
                 stacklevel=2,
             )
-            consumed = consumed * saved_world // sampler.num_replicas
         if consumed >= sampler.num_samples:  # saved after the last batch of the epoch
             sampler.resume_at(state["epoch"] + 1, 0)
         else:

@@ -251,16 +251,29 @@ class LMModule(L.LightningModule):
         self.log_dict(load_stats(loads, self.model))  # the step's loads, the updated biases
 
     # ---------------------------------------------------------------------------- checkpoints
+    def _global_batch(self) -> int:
+        """Sequences per optimizer step: per-rank batch x accumulation x ranks."""
+        tc = self.config.train
+        return self.config.data.batch_size * tc.accumulate_grad_batches * self.trainer.world_size
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["world_size"] = self.trainer.world_size
+        checkpoint["global_batch"] = self._global_batch()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("world_size")
-        if saved is not None and self._trainer is not None and saved != self.trainer.world_size:
+        if saved is None or self._trainer is None or saved == self.trainer.world_size:
+            return
+        # Another world size with the same global batch continues the same curve (the data order
+        # carries over, see LMDataModule.resume_sampler); only a changed global batch bends it.
+        saved_batch = checkpoint.get("global_batch")
+        if saved_batch != self._global_batch():
             rank_zero_warn(
                 f"resuming a checkpoint written with world_size={saved} on world_size="
-                f"{self.trainer.world_size}: the global batch and the data order change "
-                f"(per-device batch is kept); the loss curve will not continue exactly"
+                f"{self.trainer.world_size}: the global batch changes ({saved_batch} -> "
+                f"{self._global_batch()} sequences; set data.batch_size or "
+                f"train.accumulate_grad_batches to keep it); the loss curve will not continue "
+                f"exactly"
             )
 
     # ---------------------------------------------------------------------------- optimiser

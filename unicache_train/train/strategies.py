@@ -5,7 +5,10 @@ Model code never knows it will be recomputed or sharded. This module
 * applies activation checkpointing to the decoder blocks (:func:`parallelize_model`, called by
   :func:`unicache_train.train.run.fit` on the freshly built model), and
 * maps ``train.strategy`` (from the recipe or from ``fabric run --strategy``) to the Lightning
-  strategy that shards it (:func:`build_strategy`), with a crash-safe checkpoint writer.
+  strategy that shards it (:func:`build_strategy`), with a crash-safe checkpoint writer and a
+  ZeRO resume that works on another number of ranks (through DeepSpeed's universal checkpoint,
+  :meth:`AtomicDeepSpeedStrategy.load_checkpoint`; docs/multinode.md). Several nodes need nothing
+  more: ``fabric run --num-nodes/--node-rank/--main-address/--main-port`` starts the processes.
 
 NOTE: the order is recompute, then compile, then sharding (torchtitan's
 ``parallelize_llama``): recompute wraps each block's forward, so compiling afterwards traces
@@ -51,15 +54,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from unicache_train.checkpoint.safe_load import (
+    UnsafeCheckpointError,
     check_torch_file,
     check_zero_files,
     load_torch_file,
 )
 from unicache_train.checkpoint.zero import (
+    UNIVERSAL_TAG,
     atomic_write,
     publish,
     remove_path,
     temporary_path,
+    to_universal_checkpoint,
     zero_world_size,
 )
 from unicache_train.config import ConfigError, RunConfig, deep_merge
@@ -172,8 +178,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
     """Lightning's DeepSpeed strategy, with ZeRO directories written under ``NAME.tmp`` and
-    renamed into place once every rank's shard is on disk, and a clear error when a ZeRO
-    checkpoint is resumed on another number of ranks."""
+    renamed into place once every rank's shard is on disk, and ZeRO checkpoints that resume on
+    another number of ranks (through DeepSpeed's universal checkpoint; see
+    :meth:`load_checkpoint`)."""
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any,
                         storage_options: Any | None = None) -> None:
@@ -189,19 +196,22 @@ class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
         self.barrier("zero_ckpt_published")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
+        """Restore a ``.ckpt`` file or a ZeRO directory (weights, and when fitting the optimizer).
+
+        A ZeRO directory written by another number of ranks is resumed through DeepSpeed's
+        universal checkpoint: global rank 0 converts it (once, inside the directory:
+        :func:`unicache_train.checkpoint.zero.to_universal_checkpoint`), every rank then loads
+        its own slice of the unsharded fp32 weights, AdamW moments and step with the engine's
+        ``load_universal_checkpoint`` switched on for this one load. The directory must be
+        readable by every rank (a shared file system on several nodes, as for any ZeRO resume).
+        """
         path = Path(checkpoint_path)
         module = self.lightning_module
         fitting = module is None or module.trainer.state.fn == TrainerFn.FITTING
         if fitting and path.is_dir() and not (self.load_full_weights and self.zero_stage_3):
             saved = zero_world_size(path)
             if saved != self.world_size:
-                raise RuntimeError(
-                    f"{path} is a ZeRO checkpoint sharded over {saved} ranks; this run has "
-                    f"{self.world_size}. ZeRO optimizer shards cannot be re-partitioned on "
-                    "resume: resume with the same number of devices, or consolidate the weights "
-                    "(unicache_train.checkpoint.zero.consolidate_zero_checkpoint) and start a new "
-                    "run from them (the optimizer state and the data position are then lost)"
-                )
+                return self._load_resharded(path, saved)
         # NOTE: before super(). DeepSpeed's engine unpickles ZeRO files with weights_only=False;
         # each file it will read must first load as plain data.
         if path.is_dir():
@@ -209,6 +219,119 @@ class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
         elif path.is_file():
             check_torch_file(path, deepspeed=True)
         return super().load_checkpoint(checkpoint_path, weights_only=True)
+
+    def _load_resharded(self, path: Path, saved: int) -> dict:
+        """:meth:`load_checkpoint` of a ZeRO directory written by ``saved`` ranks.
+
+        Rank 0 converts it and checks every file DeepSpeed will unpickle (the shards, then the
+        universal copy), so the other ranks read only files rank 0 has checked.
+        """
+        module = self.lightning_module
+        frozen = [n for n, p in module.named_parameters() if not p.requires_grad] if module else []
+        if self.zero_stage_3 and frozen:
+            raise RuntimeError(
+                f"{path}: resuming a ZeRO-3 checkpoint written by {saved} ranks on "
+                f"{self.world_size} needs every parameter in the optimizer; this model has frozen "
+                f"parameters ({', '.join(frozen[:3])}, ...), which DeepSpeed's universal "
+                "checkpoint does not carry under ZeRO-3. Resume on the same number of ranks, or "
+                "use ZeRO stage 1/2"
+            )
+        error: Exception | None = None
+        if self.is_global_zero:
+            log.warning("%s was written by %d ranks; this run has %d: converting it to a "
+                        "universal checkpoint", path, saved, self.world_size)
+            try:
+                to_universal_checkpoint(path)
+            except Exception as err:  # every rank must hear of it, not wait at a barrier
+                error = err
+        message = self.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+        if isinstance(error, UnsafeCheckpointError):
+            raise error
+        if message is not None:
+            raise RuntimeError(
+                f"{path} is a ZeRO checkpoint sharded over {saved} ranks; this run has "
+                f"{self.world_size}, and converting it to a universal checkpoint (to re-shard "
+                f"it) failed on global rank 0: {message}. Resume on {saved} ranks, or "
+                "consolidate the weights (unicache_train.checkpoint.zero."
+                "consolidate_zero_checkpoint) and start a new run from them (the optimizer "
+                "state is then lost)"
+            ) from error
+        engine = self.deepspeed_engine
+        engine._config.load_universal_checkpoint = True
+        try:
+            client_state = super().load_checkpoint(path, weights_only=True)
+        finally:
+            engine._config.load_universal_checkpoint = False
+        if self.zero_stage_3:
+            _repair_zero3_universal_load(engine, path)
+        if module is not None:
+            _restore_non_optimizer_state(module, path)
+        log.info("resumed %s (written by %d ranks) on %d ranks", path, saved, self.world_size)
+        return client_state
+
+
+def _non_optimizer_state(module: nn.Module) -> list[str]:
+    """State-dict keys the optimizer does not hold: frozen parameters and persistent buffers
+    (e.g. an MoE router's bias)."""
+    # NOTE: every name of a tied parameter (lm_head.weight is embed_tokens.weight): the
+    # optimizer holds it under one.
+    trainable = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return [k for k in module.state_dict() if k not in trainable]
+
+
+def _restore_non_optimizer_state(module: nn.Module, path: Path) -> None:
+    """After a universal load: frozen parameters and persistent buffers from the saved module
+    state (rank 0's model-states file; whole tensors, except ZeRO-3 parameters, which
+    :meth:`AtomicDeepSpeedStrategy._load_resharded` refuses when frozen).
+
+    NOTE: the universal loader restores what the optimizer holds and skips the module state
+    dict; without this, a frozen tower or a buffer would silently keep its fresh value.
+    """
+    keys = _non_optimizer_state(module)
+    if not keys:
+        return
+    files = sorted((path / UNIVERSAL_TAG).glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        raise RuntimeError(f"{path / UNIVERSAL_TAG}: no model-states file")
+    saved = load_torch_file(files[0], map_location="cpu", deepspeed=True)["module"]
+    missing = [k for k in keys if k not in saved]
+    if missing:
+        raise RuntimeError(f"{files[0]}: no saved value for {missing[:5]}")
+    state = module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for k in keys:
+            if state[k].shape != saved[k].shape:
+                raise RuntimeError(f"{files[0]}: {k} has shape {tuple(saved[k].shape)}, "
+                                   f"the model {tuple(state[k].shape)}")
+            state[k].copy_(saved[k])
+
+
+def _repair_zero3_universal_load(engine: Any, path: Path) -> None:
+    """ZeRO-3 universal load (DeepSpeed 0.19): undo two slips of its loader.
+
+    NOTE: (1) it copies the hyper-parameters of the saved *first* param group into every group;
+    ``LMModule`` has two (weight decay on matrices, none on gains, embeddings and
+    hyper-connection coefficients), so the second would start decaying (measured: the loss one
+    step after the resume off by 2.7e-4): each group gets its own back from
+    ``zero/optimizer_state.pt`` (one per group, in order). (2) It gives every
+    sub-group's AdamW state the *same* ``step`` tensor, which ``torch.optim.AdamW`` increments in
+    place once per sub-group per step, so the bias correction runs ahead (measured: the loss one
+    step after the resume off by 7.8e-3): each state gets its own copy.
+    """
+    saved = load_torch_file(path / UNIVERSAL_TAG / "zero" / "optimizer_state.pt",
+                            map_location="cpu", deepspeed=True)
+    groups = saved["param_groups"]
+    base = engine.optimizer.optimizer
+    if len(groups) != len(base.param_groups):
+        raise RuntimeError(f"{path}: {len(groups)} saved optimizer param groups, "
+                           f"{len(base.param_groups)} now")
+    for group, saved_group in zip(base.param_groups, groups):
+        for key, value in saved_group.items():
+            if key != "params":
+                group[key] = value
+    for state in base.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 class CPUDeepSpeedStrategy(AtomicDeepSpeedStrategy):
