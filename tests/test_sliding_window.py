@@ -211,6 +211,10 @@ def test_export_refuses_a_window_the_family_cannot_hold(tmp_path):
         export_hf(windowed_model(), tmp_path / "a", family="llama")
     with pytest.raises(HFCheckpointError, match="mistral slides every layer"):
         export_hf(windowed_model(), tmp_path / "b", family="mistral")
+    torch.manual_seed(0)
+    mhc = Decoder(ModelConfig(**COMMON, sliding_window=6, residual_mode="mhc"))
+    with pytest.raises(HFCheckpointError, match="mHC remote code has no sliding-window"):
+        export_hf(mhc, tmp_path / "c")
 
 
 def test_transformers_compressed_cache_refuses_windowed_exports(tmp_path):

@@ -418,6 +418,11 @@ def _check_family(config: ModelConfig, family: str) -> None:
             "mHC streams, as our unicache_mhc format"
         )
     if config.uses_streams:
+        if config.has_sliding_layers:
+            raise HFCheckpointError(
+                f"ModelConfig.sliding_window={config.sliding_window}: our mHC remote code has no "
+                "sliding-window attention; an mHC model exports with full attention only"
+            )
         if config.residual_mode != "mhc" or config.hc_preset != "deepseek_v4":
             raise HFCheckpointError(
                 f"ModelConfig.residual_mode={config.residual_mode!r}, hc_preset="

@@ -255,7 +255,7 @@ class Decoder(nn.Module):
         if split is not None:
             ref = input_ids if inputs_embeds is None else inputs_embeds
             check_split(split, ref.shape[0], ref.shape[1])
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, C]
+        x = self.token_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
         if positions is None:
             start = cache.length() if cache is not None else 0
@@ -287,7 +287,7 @@ class Decoder(nn.Module):
             out.reference_logits = reference
         return out
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def token_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [B, T] -> [B, T, C]; Gemma 3 scales them by ``sqrt(hidden_size)``
         rounded to the weight dtype (as transformers' ``Gemma3TextScaledWordEmbedding``)."""
         x = self.embed_tokens(input_ids)
