@@ -135,6 +135,7 @@ def test_inloop_forward_equals_step_by_step_decoding_with_windowed_layers(case):
     for i in (0, 2):
         st = ref.compression_stats[i]
         assert float(st["kv_reduction"]) == 1.0 and float(st["kv_bytes"]) == 2 * 5 * per_token
+        assert float(st["rate_realized"]) == 0.0
         assert cache.segments[i].payload_bytes() == 2 * 5 * per_token
     # decoded tokens slide out of the windowed layers' caches
     assert cache.keys[0].shape[2] == 6 and cache.keys[1].shape[2] == 40 - 15  # W; all
@@ -224,3 +225,29 @@ def test_transformers_compressed_cache_refuses_windowed_exports(tmp_path):
     out = export_hf(windowed_model(), tmp_path / "q", family="qwen2", tokenizer_from="byte")
     with pytest.raises(NotImplementedError, match="sliding-window layers"):
         CompressedCache.from_pretrained(out)
+
+
+def test_lightning_module_compressed_loss_with_windowed_layers():
+    """The training objective (LMModule.compressed_loss, KL term, metrics) runs on a windowed
+    model; the windowed layers log kv_reduction 1 and rate 0, the full layer compresses."""
+    from unicache_train.config import CompressionTrainConfig, RunConfig
+    from unicache_train.monitor.metrics import compression_metrics
+    from unicache_train.train.module import LMModule
+
+    cfg = RunConfig(
+        model=ModelConfig(**COMMON, sliding_window=6, layer_types=MIXED),
+        compress=CompressionTrainConfig(enabled=True, unicache=unicache(0.6, 8).to_dict(),
+                                        kl_weight=0.5),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    m = LMModule(cfg)
+    ids = torch.randint(0, V, (2, 33))
+    b = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "split": torch.tensor([20, 14]),
+         "modality_ids": torch.zeros(2, 32, dtype=torch.long)}  # fmt: skip
+    loss, _, per_layer = m.compressed_loss(b, step=0)
+    loss.backward()
+    assert math.isfinite(float(loss))
+    metrics = compression_metrics(per_layer)
+    assert metrics["compress/kv_reduction/layer_00"] == 1.0
+    assert metrics["compress/kv_reduction/layer_01"] > 2.0
+    assert metrics["compress/rate_realized/layer_02"] == 0.0

@@ -230,7 +230,8 @@ class Attention(nn.Module):
 
         Returns:
             :class:`KVSegment` over all ``T`` tokens, ``valid`` [B, T] the window's context
-            tokens, ``stats`` with ``kv_bytes`` (0-dim) and ``kv_reduction`` (1).
+            tokens, ``stats`` with ``kv_bytes`` (0-dim), ``kv_reduction`` (1) and
+            ``rate_realized`` (0).
         """
         W = self.window
         assert W is not None
@@ -250,7 +251,9 @@ class Attention(nn.Module):
         segment = identity_segment(inp)
         segment.valid = context_mask & (t > split[:, None] - W)  # [B, T]
         kv = segment_kv_bytes(segment).sum()
-        segment.stats = {"kv_bytes": kv, "kv_reduction": torch.ones_like(kv)}
+        # rate_realized 0: the compressor removed nothing (the window bounds the cache).
+        segment.stats = {"kv_bytes": kv, "kv_reduction": torch.ones_like(kv),
+                         "rate_realized": torch.zeros_like(kv)}  # fmt: skip
         if isinstance(compressor, RecordingCompressor):
             compressor.inputs[self.layer_idx] = inp
             compressor.segments[self.layer_idx] = segment
