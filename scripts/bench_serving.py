@@ -34,8 +34,9 @@ from bench_common import RESULTS_DIR  # noqa: E402
 
 def _recall_hf(model, tok, records, compressed: bool, export: Path):
     """Stock transformers: context prefilled (and compressed), question + answer generated."""
-    from unicache_train.transformers_cache import CACHE_ARGUMENT, CompressedCache
     from transformers import DynamicCache
+
+    from unicache_train.transformers_cache import CACHE_ARGUMENT, CompressedCache
 
     preds, kv, base = [], 0, 0
     cfg = model.config

@@ -8,8 +8,8 @@ right padding on ours) in every case; the check itself is in ``tests/cache_exact
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
