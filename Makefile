@@ -44,7 +44,8 @@ kvpress-baseline: fetch
 # Serving parity: vLLM's CPU build (its own venv, .venv-vllm) loads an export and decodes 20 fixed
 # prompts greedily; the tokens are compared with transformers' on the same weights, one CSV row a
 # prompt. MODEL=DIR (default: the int4 compression-aware fine-tune's export from `make demo`),
-# NAME=row label, DTYPE=float32|bfloat16. An MLA model: see scripts/vllm_compare.py export-mla.
+# NAME=row label, DTYPE=float32|bfloat16, VLLM_ARGS=more vllm flags. A DeepseekV3 (MLA) export:
+# pad-mla it and pass VLLM_ARGS=--custom-ops=all,-rotary_embedding (scripts/results/vllm/).
 VLLM_MODEL = $(or $(MODEL),runs/sm_compress_q4/compress/export)
 VLLM_NAME  = $(or $(NAME),q4_llama)_$(or $(DTYPE),float32)
 vllm-compare: install
@@ -56,7 +57,7 @@ vllm-compare: install
 		--out runs/vllm/$(VLLM_NAME).hf.jsonl
 	.venv-vllm/bin/python scripts/vllm_compare.py vllm --model $(VLLM_MODEL) \
 		--prompts runs/vllm/$(VLLM_NAME).prompts.jsonl --dtype $(or $(DTYPE),float32) \
-		--out runs/vllm/$(VLLM_NAME).vllm.jsonl
+		--out runs/vllm/$(VLLM_NAME).vllm.jsonl $(VLLM_ARGS)
 	$(BIN)/python scripts/vllm_compare.py compare --name $(VLLM_NAME) \
 		--prompts runs/vllm/$(VLLM_NAME).prompts.jsonl --reference runs/vllm/$(VLLM_NAME).hf.jsonl \
 		--vllm runs/vllm/$(VLLM_NAME).vllm.jsonl --out scripts/results/vllm/vllm_compare.csv
