@@ -218,7 +218,11 @@ def test_cli_fetch_refuses_an_unknown_name(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["fetch", "--name", "llama-70b"])
     assert exc.value.code == 2
-    assert "fetch --name='llama-70b' is not known; allowed ['smollm2']" in capsys.readouterr().err
+    from unicache_train.checkpoint.gguf import KNOWN
+
+    allowed = sorted(KNOWN)
+    assert "smollm2" in allowed
+    assert f"fetch --name='llama-70b' is not known; allowed {allowed}" in capsys.readouterr().err
 
 
 def test_missing_checkpoint_error_names_the_fetch_command(tmp_path):

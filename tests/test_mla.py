@@ -122,6 +122,24 @@ def test_export_roundtrip_state_dict(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+def test_tied_export_writes_the_head_for_engines_that_never_tie(tmp_path):
+    """vLLM's DeepseekV2/V3 never ties lm_head to the embedding and serves an all-zero head when
+    the file lacks it (measured: token 0 forever); a tied export writes the head's copy."""
+    from safetensors.torch import load_file
+
+    from unicache_train.checkpoint.deepseek_v3 import export_deepseek_v3, import_deepseek_v3
+
+    torch.manual_seed(0)
+    model = Decoder(mla_config(tie_word_embeddings=True))
+    out = export_deepseek_v3(model, tmp_path)
+    sd = load_file(str(out / "model.safetensors"))
+    assert torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"])
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    back = import_deepseek_v3(out)
+    assert back.lm_head.weight is back.embed_tokens.weight  # still tied after import
+    assert torch.equal(back.lm_head.weight, model.lm_head.weight)
+
+
 def test_export_errors_name_the_field(tmp_path):
     from unicache_train.checkpoint.deepseek_v3 import (
         DeepseekV3ExportError,
