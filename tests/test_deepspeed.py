@@ -51,29 +51,15 @@ from unicache_train.train.strategies import (
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parents[1]
-DRIVER = ROOT / "tests" / "fabric_driver.py"
+from distributed_runs import DRIVER, MODEL, ROOT, run_overrides  # noqa: E402
+
 STEPS = 8
 LOSS_ATOL = 1e-4
 RESUME_ATOL = 1e-6
 LOGITS_ATOL = 1e-4
 
-MODEL = [
-    "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-    "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.residual_mode=mhc",
-    "model.hc_mult=4",
-]
-
-
 def overrides(out_dir: Path, *extra: str, batch_size: int = 4) -> list[str]:
-    return [
-        *MODEL, "data.seq_len=64", f"data.batch_size={batch_size}",
-        "data.synthetic.num_stories=60", "data.synthetic.num_recall=60",
-        f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.checkpoint_every_n_steps=4",
-        "train.limit_val_batches=0", f"train.val_every_n_steps={STEPS}",
-        "train.progress_bar=false", "train.log_every_n_steps=1", "train.accelerator=cpu",
-        "logging.logger=none", f"train.out_dir={out_dir}", *extra,
-    ]
+    return run_overrides(out_dir, *extra, batch_size=batch_size, steps=STEPS, checkpoint_every=4)
 
 
 def fabric_run(strategy: str, record: Path, args: list[str]) -> subprocess.CompletedProcess:

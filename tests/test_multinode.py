@@ -26,18 +26,17 @@ Tolerances (fp32 everywhere):
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
+from distributed_runs import (  # noqa: E402  (tests/ is on sys.path under pytest)
+    fabric_run,
+    launch_nodes,
+    mean_losses,
+    read_rows,
+    run_overrides,
+)
 
 from unicache_train.checkpoint.safe_load import UnsafeCheckpointError
 from unicache_train.checkpoint.zero import (
@@ -51,100 +50,12 @@ from unicache_train.config import RunConfig, apply_overrides
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parents[1]
-DRIVER = ROOT / "tests" / "fabric_driver.py"
-FABRIC = Path(sys.executable).with_name("fabric")
 STEPS = 4
 LOSS_ATOL = 1e-4
 RESUME_ATOL = 1e-4
 
-MODEL = [
-    "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-    "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.residual_mode=mhc",
-    "model.hc_mult=4",
-]
-
-
 def overrides(out_dir: Path, *extra: str, batch_size: int = 4) -> list[str]:
-    return [
-        *MODEL, "data.seq_len=64", f"data.batch_size={batch_size}",
-        "data.synthetic.num_stories=60", "data.synthetic.num_recall=60",
-        f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.checkpoint_every_n_steps=2",
-        "train.limit_val_batches=0", f"train.val_every_n_steps={STEPS}",
-        "train.progress_bar=false", "train.log_every_n_steps=1", "train.accelerator=cpu",
-        "logging.logger=none", f"train.out_dir={out_dir}", *extra,
-    ]
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_nodes(record: Path, args: list[str], logs: Path, num_nodes: int = 2,
-                 strategy: str = "deepspeed_stage_2", timeout: float = 900) -> list[int]:
-    """Start ``num_nodes`` ``fabric run`` launchers (node ranks 0..n-1, one process each) at
-    once, as on ``num_nodes`` machines, and wait for all. Returns their exit codes.
-
-    If one fails, the others are stopped: they would wait for the missing peer until the
-    rendezvous timed out.
-    """
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = []
-    for rank in range(num_nodes):
-        with open(logs / f"node{rank}.log", "w") as log:
-            procs.append(subprocess.Popen(
-                [str(FABRIC), "run", "--accelerator", "cpu", "--devices", "1",
-                 "--num-nodes", str(num_nodes), "--node-rank", str(rank),
-                 "--main-address", "127.0.0.1", "--main-port", str(port),
-                 "--strategy", strategy, str(DRIVER), str(record), *args],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                start_new_session=True,  # its own process group: stopped as a whole below
-            ))
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        failed = any(p.returncode not in (None, 0) for p in procs)
-        if failed or time.monotonic() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-            break
-        time.sleep(0.5)
-    return [p.returncode for p in procs]
-
-
-def fabric_run(devices: int, record: Path, args: list[str],
-               strategy: str = "deepspeed_stage_2") -> subprocess.CompletedProcess:
-    """One node, ``devices`` processes (rendezvous on a free port: not the default 29400, which
-    another run on this machine may hold)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [str(FABRIC), "run", "--accelerator", "cpu", "--devices", str(devices), "--strategy",
-         strategy, "--main-port", str(free_port()), str(DRIVER), str(record), *args],
-        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
-    )
-
-
-def read_rows(path: Path) -> dict[int, dict[int, dict]]:
-    """step -> rank -> the driver's row."""
-    rows: dict[int, dict[int, dict]] = defaultdict(dict)
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        rows[row["step"]][row["rank"]] = row
-    return dict(sorted(rows.items()))
-
-
-def mean_losses(path: Path, world_size: int) -> dict[int, float]:
-    """Global loss per step: the mean over ranks (equal target counts with packed data)."""
-    out = {}
-    for step, ranks in read_rows(path).items():
-        assert sorted(ranks) == list(range(world_size)), (step, sorted(ranks))
-        out[step] = sum(r["loss"] for r in ranks.values()) / world_size
-    return out
+    return run_overrides(out_dir, *extra, batch_size=batch_size, steps=STEPS, checkpoint_every=2)
 
 
 @pytest.fixture(scope="module")

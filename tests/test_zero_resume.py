@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_multinode import fabric_run, mean_losses, read_rows
+from distributed_runs import MODEL, fabric_run, mean_losses, read_rows, run_overrides
 
 from unicache_train.checkpoint import load_checkpoint
 from unicache_train.checkpoint.zero import has_universal_checkpoint, zero_world_size
@@ -47,23 +47,9 @@ GLOBAL_BATCH = 8
 LOSS_ATOL = 1e-4
 LOGITS_ATOL = 1e-4
 
-MODEL = [
-    "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-    "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.residual_mode=mhc",
-    "model.hc_mult=4",
-]
-
-
 def overrides(out_dir: Path, world_size: int, *extra: str) -> list[str]:
-    return [
-        *MODEL, "data.seq_len=64", f"data.batch_size={GLOBAL_BATCH // world_size}",
-        "data.synthetic.num_stories=60", "data.synthetic.num_recall=60",
-        f"train.max_steps={STEPS}", "train.warmup_steps=2",
-        f"train.checkpoint_every_n_steps={RESUME_AT}", "train.limit_val_batches=0",
-        f"train.val_every_n_steps={STEPS}", "train.progress_bar=false",
-        "train.log_every_n_steps=1", "train.accelerator=cpu", "logging.logger=none",
-        f"train.out_dir={out_dir}", *extra,
-    ]
+    return run_overrides(out_dir, *extra, batch_size=GLOBAL_BATCH // world_size, steps=STEPS,
+                         checkpoint_every=RESUME_AT)
 
 
 # ----------------------------------------------------------------------------- data position
