@@ -47,7 +47,8 @@ def test_parse_setting_refuses_bad_specs(recipe, spec) -> None:
     assert "unicache_q4" in str(err.value)  # the allowed methods are named
 
 
-def test_settings_reach_their_byte_targets_with_their_storage(recipe) -> None:
+def _tiny_model_and_batch():
+    """A 2-layer GQA decoder and a calibration batch (contexts of 80 and 72 tokens)."""
     torch.manual_seed(0)
     model = Decoder(
         ModelConfig(
@@ -55,8 +56,11 @@ def test_settings_reach_their_byte_targets_with_their_storage(recipe) -> None:
             num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
         )
     ).eval()  # fmt: skip
-    ids = torch.randint(0, 97, (2, 96))
-    split = torch.tensor([80, 72])
+    return model, torch.randint(0, 97, (2, 96)), torch.tensor([80, 72])
+
+
+def test_settings_reach_their_byte_targets_with_their_storage(recipe) -> None:
+    model, ids, split = _tiny_model_and_batch()
     study = {"settings": ["unicache@4", "unicache_q4@4", "unicache_q4@8"], "span_pool": 7}
     with torch.no_grad():
         settings = recipe.build_settings(model, ids, split, study)
@@ -76,15 +80,7 @@ def test_settings_reach_their_byte_targets_with_their_storage(recipe) -> None:
 def test_unicache_then_xkv_setting_reaches_its_target(recipe) -> None:
     """unicache+xkv: token removal at xkv_token_rate, then xKV calibrated on the measured total
     (16-bit factors: no head merging, no quantization, as in training)."""
-    torch.manual_seed(0)
-    model = Decoder(
-        ModelConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-        )
-    ).eval()  # fmt: skip
-    ids = torch.randint(0, 97, (2, 96))
-    split = torch.tensor([80, 72])
+    model, ids, split = _tiny_model_and_batch()
     study = {"settings": ["unicache+xkv@4"], "span_pool": 7, "xkv_token_rate": 0.5}
     with torch.no_grad():
         (_, s) = recipe.build_settings(model, ids, split, study)
