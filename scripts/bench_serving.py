@@ -40,8 +40,9 @@ def _recall_hf(model, tok, records, compressed: bool, export: Path):
 
     preds, kv, base = [], 0, 0
     cfg = model.config
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
-        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * 2
+    from unicache_train.serve import prompt_kv_bytes
+
+    per_token = prompt_kv_bytes(cfg, 1)  # uncompressed 16-bit K/V bytes of one token
     for r in records:
         ctx = torch.tensor([tok.encode(r["context"], add_bos=True)])
         q = torch.tensor([tok.encode(r["question"])])
@@ -151,8 +152,9 @@ def main(argv: list[str] | None = None) -> None:
             timings[c].append((pre, tps))
     base_tps = statistics.median(t[1] for t in timings[False])
     cfg = models[False].config
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
-        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * 2
+    from unicache_train.serve import prompt_kv_bytes
+
+    per_token = prompt_kv_bytes(cfg, 1)  # uncompressed 16-bit K/V bytes of one token
     for c in (False, True):
         pre = statistics.median(t[0] for t in timings[c])
         tps = statistics.median(t[1] for t in timings[c])

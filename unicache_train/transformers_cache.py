@@ -46,6 +46,7 @@ Imports torch, transformers and the compression package only (no Lightning).
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import inspect
 import json
 from pathlib import Path
@@ -302,19 +303,18 @@ class CompressedCache(Cache):
         for i, inp in inputs.items():
             seg = identity_segment(inp, identity=True)
             if self.pre_rope:
-                seg.keys = self._rotate(seg.keys, inp.positions, seg.positions)
+                seg.keys = self._rotate(seg.keys, seg.positions)
             segments[i] = seg
         S = int(next(iter(inputs.values())).context_mask.sum(1).max())
         fit = self.cross.fit(RecordedContext(inputs, segments, S, self.rope), step=None)
         for i in range(self.num_layers):
             inp = inputs[i]
-            inp_fit = CompressionInput(**{**inp.__dict__, "fit": fit})
+            inp_fit = dataclasses.replace(inp, fit=fit)  # as the decoder's compressed pass
             self._store(i, inp_fit, self.compressor(inp_fit))
         self._inputs = {}
 
-    def _rotate(
-        self, keys: torch.Tensor, positions: torch.Tensor, seg_positions: torch.Tensor
-    ) -> torch.Tensor:
+    def _rotate(self, keys: torch.Tensor, seg_positions: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE keys [B, Hk, M, D] -> rotated at the entries' positions [B, M]."""
         cos, sin = self.rope(seg_positions, keys.dtype)
         return apply_rope(keys, cos, sin)
 
@@ -324,7 +324,7 @@ class CompressedCache(Cache):
                 raise NotImplementedError(
                     "packed storage of a pre-RoPE compressor is not supported by the cache"
                 )
-            seg.keys = self._rotate(seg.keys, inp.positions, seg.positions)
+            seg.keys = self._rotate(seg.keys, seg.positions)
         n_ctx = inp.context_mask.sum(1)
         self.inner.set_segment(layer_idx, StoredSegment.from_segment(seg, n_ctx))
         self.stats.append(seg.stats)
