@@ -148,6 +148,42 @@ def test_inloop_forward_equals_step_by_step_decoding_with_windowed_layers(case):
     assert cache.baseline_bytes(16) == (27 + 15 + 2 * 2 * 5) * per_token
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_windows_inloop_equals_decoding_and_counts_quantized_bytes(bits):
+    """``quantize.windowed_layers``: a windowed layer stores its window quantized (no token
+    removed); continuation queries read the dequantized window in the loop and in decoding."""
+    model = windowed_model(window=6)
+    cfg = unicache(0.6, bits)
+    cfg.quantize.windowed_layers = True
+    comp = UniCacheCompressor(cfg)
+    plain_comp = UniCacheCompressor(unicache(0.6, bits))
+    ids = torch.randint(0, V, (2, 40))
+    split = torch.tensor([27, 15])
+    with torch.no_grad():
+        ref = model(ids, split=split, compressor=comp)
+        unquantized = model(ids, split=split, compressor=plain_comp)
+    got, cache = decode_teacher_forced(model, ids, split, comp)
+    cont = torch.arange(40)[None, :] >= (split - 1)[:, None]
+    torch.testing.assert_close(got[cont], ref.logits[cont], atol=1e-5, rtol=1e-5)
+    # context queries (prefill) read the unquantized K/V; continuation logits move
+    ctx = ~cont
+    torch.testing.assert_close(ref.logits[ctx], unquantized.logits[ctx], atol=1e-5, rtol=1e-5)
+    assert (ref.logits[cont] - unquantized.logits[cont]).abs().max() > 1e-4
+    # bytes, counted independently: 5 window tokens x 2 samples x (K, V) x 2 heads, each a
+    # 16-element vector at `bits` plus one fp16 scale
+    per_vector = 16 * bits // 8 + 2
+    want = 2 * 5 * 2 * 2 * per_vector
+    for i in (0, 2):
+        st = ref.compression_stats[i]
+        assert float(st["kv_bytes"]) == want
+        assert float(st["rate_realized"]) == 0.0
+        assert float(st["kv_reduction"]) == pytest.approx(2 * 5 * 2 * 2 * 16 * 2 / want)
+        assert cache.segments[i].payload_bytes() == want
+    assert cache.kv_bytes(include_metadata=False) == int(
+        sum(float(s["kv_bytes"]) for s in ref.compression_stats)
+    )
+
+
 def test_windowed_layers_are_not_handed_to_the_compressor():
     model = windowed_model(window=6)
     seen = []

@@ -386,6 +386,12 @@ class RecordingCompressor:
         self.segments[inp.layer_idx] = seg
         return seg
 
+    def compress_window(self, inp: CompressionInput) -> KVSegment | None:
+        """``inner``'s segment for a sliding-window layer, if it makes one (not recorded here:
+        the seam records a windowed layer's segment itself)."""
+        fn = getattr(self.inner, "compress_window", None)
+        return None if fn is None else fn(inp)
+
 
 @dataclass
 class RecordedContext:

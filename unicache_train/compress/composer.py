@@ -272,6 +272,29 @@ class UniCacheCompressor(ComposedCompressor):
         super().set_rate_scale(rate_scale)
         self.config.rate_scale = self.rate_scale
 
+    def compress_window(self, inp: CompressionInput) -> KVSegment | None:
+        """A sliding-window layer's segment under ``quantize.windowed_layers``.
+
+        The window bounds which tokens such a layer holds, so no token is removed; only the
+        precision is reduced, exactly as this compressor quantizes its other segments.
+
+        Args:
+            inp: the layer's input with ``context_mask`` [B, T] the window's context tokens.
+
+        Returns:
+            The quantized identity segment over all ``T`` tokens (``valid`` = the window) with
+            its byte stats, or None when the option is off or quantization is inactive (the
+            caller stores the tokens as they are).
+        """
+        q = self.config.quantize
+        if not (q.windowed_layers and q.active):
+            return None
+        state = CompressionState.from_input(inp, 0.0)
+        state = Quantize(**vars(q))(state)
+        assert state.segment is not None
+        state.segment.stats.update(segment_stats(state, self.cache_dtype_bytes))
+        return state.segment
+
     def __repr__(self) -> str:
         return f"UniCacheCompressor({self.config!r})"
 

@@ -287,15 +287,21 @@ class QuantizeConfig(ConfigBase):
             default; an outlier token cannot spoil the others) or ``"head"``: one scale per
             head per sample over the segment (the source's per-head). Never a global scale.
         scale_dtype: ``"float16"`` or ``"float32"`` storage of the scales.
+        windowed_layers: also quantize the cache of a sliding-window layer (its window's
+            context tokens, none removed: the window already bounds how many it holds, not how
+            many bytes each takes). Off by default: such a layer's cache is stored as it is
+            (docs/architecture.md#sliding-window-layers).
     """
 
     enabled: bool = True
     bits: int | None = 8
     granularity: str = "token_head"
     scale_dtype: str = "float16"
+    windowed_layers: bool = False
 
     def __post_init__(self) -> None:
         check_bool(self, "enabled")
+        check_bool(self, "windowed_layers")
         if self.bits not in (None, 4, 8, 16) or isinstance(self.bits, bool):
             raise ConfigError(
                 f"QuantizeConfig.bits={self.bits!r} is not allowed; choose one of [4, 8, 16, None]"

@@ -34,6 +34,7 @@ Gemma 3 options: ``query_pre_attn_scalar`` (the softmax scale) and ``attn_logit_
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -139,6 +140,14 @@ class Attention(nn.Module):
                 stats.append(segment.stats)
             mask = sliding_causal_mask(T, T, 0, self.window, x.device)
             out = self._attend(q_rot, k_rot, v, mask=mask)
+            if not segment.identity:
+                # Quantized window (``quantize.windowed_layers``): continuation queries read the
+                # stored context (entry t = token t; tokens before the window are outside every
+                # continuation query's window anyway), context queries their own K/V (prefill).
+                ctx = (torch.arange(T, device=x.device)[None, :] < split[:, None])[:, None, :, None]
+                k_st = torch.where(ctx, segment.keys.to(k_rot.dtype), k_rot)  # [B, Hk, T, D]
+                v_st = torch.where(ctx, segment.values.to(v.dtype), v)
+                out = torch.where(ctx, out, self._attend(q_rot, k_st, v_st, mask=mask))
         elif split is not None and compressor is not None:
             segment = self._compress_context(q_rot, k, k_rot, v, positions, modality_ids, split,
                                              compressor, rope)
@@ -218,7 +227,9 @@ class Attention(nn.Module):
         split: torch.Tensor,
         compressor: KVCompressor,
     ) -> KVSegment:
-        """A sliding-window layer's segment: the last ``W - 1`` context tokens, unchanged.
+        """A sliding-window layer's segment: the last ``W - 1`` context tokens, unchanged (or
+        quantized, when the compressor has ``compress_window`` and it returns a segment:
+        UniCache with ``quantize.windowed_layers``; no token is ever removed).
 
         When the first continuation token (position ``split``) arrives, a window-``W`` cache
         holds the context tokens ``split - W + 1 .. split - 1`` and never any earlier one, so
@@ -248,12 +259,18 @@ class Attention(nn.Module):
             modality_ids=modality_ids,
             context_mask=context_mask,
         )
-        segment = identity_segment(inp)
-        segment.valid = context_mask & (t > split[:, None] - W)  # [B, T]
-        kv = segment_kv_bytes(segment).sum()
-        # rate_realized 0: the compressor removed nothing (the window bounds the cache).
-        segment.stats = {"kv_bytes": kv, "kv_reduction": torch.ones_like(kv),
-                         "rate_realized": torch.zeros_like(kv)}  # fmt: skip
+        in_window = context_mask & (t > split[:, None] - W)  # [B, T]
+        quantize = getattr(compressor, "compress_window", None)
+        segment = None
+        if quantize is not None:
+            segment = quantize(dataclasses.replace(inp, context_mask=in_window))
+        if segment is None:
+            segment = identity_segment(inp)
+            segment.valid = in_window
+            kv = segment_kv_bytes(segment).sum()
+            # rate_realized 0: the compressor removed nothing (the window bounds the cache).
+            segment.stats = {"kv_bytes": kv, "kv_reduction": torch.ones_like(kv),
+                             "rate_realized": torch.zeros_like(kv)}  # fmt: skip
         if isinstance(compressor, RecordingCompressor):
             compressor.inputs[self.layer_idx] = inp
             compressor.segments[self.layer_idx] = segment
