@@ -108,11 +108,15 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
             pool = int(study["span_pool"]) if method == "unicache_span" else 0
             quant = _UNICACHE_QUANT[method]
 
-            def make(rate, pool=pool, quant=quant):
-                return UniCacheCompressor(text_unicache(rate, pool, quant))
+            def config_at(rate, pool=pool, quant=quant):
+                cfg = text_unicache(rate, pool, quant)
+                cfg.quantize.windowed_layers = bool(study.get("quantize_windows", False))
+                return cfg
 
-            rate, got = rate_for_reduction(model, calib_ids, calib_split, make, red)
-            cfg = text_unicache(rate, pool, quant)
+            rate, got = rate_for_reduction(
+                model, calib_ids, calib_split, lambda r: UniCacheCompressor(config_at(r)), red
+            )
+            cfg = config_at(rate)
             out.append(Setting(method, red, rate, lambda c=cfg: UniCacheCompressor(c), cfg))
         elif method == "xkv":
             xcfg = XKVConfig(rank_mode="reduction", reduction=red, group_size=2)
@@ -180,9 +184,12 @@ def _fmt_row(r: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------ fine-tuning
-def finetune(kind: str, ckpt_dir: Path, run: dict[str, Any], study, method_cfg, out: Path):
+def finetune(
+    kind: str, ckpt_dir: Path, run: dict[str, Any], study, method_cfg, out: Path, family: str
+):
     """Fine-tune with the in-loop compressor (``compress``) or nothing compressed
-    (``control``); return the fine-tuned model (fp32, eval mode) and its export directory."""
+    (``control``); return the fine-tuned model (fp32, eval mode) and its export directory
+    (written as ``family``, the source checkpoint's)."""
     from unicache_train.checkpoint.hf import export_hf
     from unicache_train.checkpoint.policy import policy_of
     from unicache_train.data.recall_mix import write_recall_mix
@@ -212,9 +219,19 @@ def finetune(kind: str, ckpt_dir: Path, run: dict[str, Any], study, method_cfg, 
     trainer = fit(config)
     model = trainer.lightning_module.model.float().eval()
     export = out / kind / "export"
-    export_hf(model, export, family="llama", compression_policy=policy_of(config.compress),
+    export_hf(model, export, family=family, compression_policy=policy_of(config.compress),
               tokenizer_from=config.data.tokenizer)  # fmt: skip
     return model, export
+
+
+def checkpoint_family(ckpt_dir: Path) -> str:
+    """The HF family (``model_type``) of a checkpoint directory, which the fine-tunes export
+    as (e.g. ``llama`` for SmolLM2, ``gemma3_text`` for Gemma 3)."""
+    import json
+
+    from unicache_train.checkpoint.hf import from_hf_config
+
+    return from_hf_config(json.loads((Path(ckpt_dir) / "config.json").read_text()))[1]
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -251,6 +268,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     name = str(study["checkpoint"])
     ckpt_dir = fetch(name) if name in KNOWN else Path(name)
     model, _ = import_hf(ckpt_dir)
+    family = checkpoint_family(ckpt_dir)
     tok = load_tokenizer(str(ckpt_dir))
     tasks = [RecallTask(**t) for t in study["tasks"]]
     blocks = text_blocks(
@@ -283,7 +301,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 f"setting among study.settings {study['settings']}"
             )
         log(f"[{time.time() - t_start:.0f}s] fine-tuning: {kind}")
-        ft_model, export = finetune(kind, ckpt_dir, run, study, ft_cfg, out)
+        ft_model, export = finetune(kind, ckpt_dir, run, study, ft_cfg, out, family)
         log(f"[{time.time() - t_start:.0f}s] exported {export}")
         rows += evaluate(ft_model, tok, f"{kind} fine-tune", settings, tasks, study, blocks, log)
         write_results(rows, out, header)
