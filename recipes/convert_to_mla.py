@@ -28,7 +28,6 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from unicache_train.recipe import (
     parse_recipe_args,
     results_header,
 )
-from unicache_train.train.module import causal_lm_loss, warmup_cosine
+from unicache_train.train import loop
 from unicache_train.validation import check_choice as _choice
 from unicache_train.validation import check_int as _int
 from unicache_train.validation import check_range as _range
@@ -106,38 +105,11 @@ class RecipeConfig:
 
 
 # ---------------------------------------------------------------------------- training
-def _batches(loader_fn) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless batches: the loader is re-created (same seeded order) at each epoch end."""
-    while True:
-        yield from loader_fn()
-
-
 def train_steps(
     model: Decoder, loader_fn, steps: int, lr: float, warmup: int, run: RunConfig
 ) -> list[float]:
     """AdamW + warmup/cosine, the LightningModule's settings, as a plain loop. Returns losses."""
-    tc = run.train
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in n)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": tc.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(tc.beta1, tc.beta2),
-    )
-    model.train()
-    losses = []
-    for step, batch in zip(range(steps), _batches(loader_fn)):
-        for group in opt.param_groups:
-            group["lr"] = lr * warmup_cosine(step, warmup, steps, tc.min_lr_ratio)
-        loss = causal_lm_loss(model(batch["input_ids"]).logits, batch["labels"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if tc.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
-        losses.append(loss.item())
-    model.eval()
-    return losses
+    return loop.train_steps(model, loop.endless(loader_fn), steps, lr, warmup, run.train).losses
 
 
 # ---------------------------------------------------------------------------- the recipe

@@ -412,8 +412,8 @@ def test_unicache_pipeline_runs_on_the_latent_cache():
 
 def test_latent_bytes_count_c_kv_once_in_the_uncompressed_cache():
     """The uncompressed latent cache holds ``c_kv`` once (``kv_bytes_per_token``, the stats'
-    baseline); so does an untouched segment. A UniCache segment whose K and V were merged apart
-    stores both (docs/architecture.md#words; issue 18 would keep it at one copy)."""
+    baseline); so does an untouched segment, and so does a merged UniCache segment: merging keeps
+    V = K[..., :R] (tests/test_mla_compressed_decoding.py decodes on it)."""
     from unicache_train.compress import UniCacheCompressor, UniCacheConfig
     from unicache_train.compress.config import QuantizeConfig
 
@@ -434,8 +434,10 @@ def test_latent_bytes_count_c_kv_once_in_the_uncompressed_cache():
     out = model(ids, split=split, compressor=rec)
     for layer, st in enumerate(out.compression_stats):
         entries = int(rec.segments[layer].valid.sum())
-        assert float(st["kv_bytes"]) == entries * (2 * R + Dr) * 2  # keys and values
-        want = n_ctx * (R + Dr) / (entries * (2 * R + Dr))
+        seg = rec.segments[layer]
+        assert seg.latent and torch.equal(seg.values, seg.keys[..., :R])
+        assert float(st["kv_bytes"]) == entries * (R + Dr) * 2  # the latent once
+        want = n_ctx / entries
         assert float(st["kv_reduction"]) == pytest.approx(want, rel=1e-6)
 
 
@@ -455,3 +457,48 @@ def test_convert_recipe_config_loads():
     assert cfg.convert.heal_steps == 3 and cfg.run.model.attention_type == "gqa"
     with pytest.raises(ConfigError, match="weighting"):
         recipe.RecipeConfig.load(path.with_suffix(".yaml"), ["convert.weighting=pca"])
+
+
+def test_2norm_rope_selection_picks_the_ladder_of_largest_q_k_norms():
+    """``rope_selection="2norm"`` (MHA2MLA's criterion, restricted to one geometric ladder):
+    the chosen stride maximises sum over layers, heads and kept frequencies of
+    ``sqrt(E|q_h,i|²) sqrt(E|k_g,i|²)``, recomputed here from the projections on the same
+    calibration inputs; a planted loud frequency moves the choice to a ladder through it."""
+    from unicache_train.model.convert_mla import convert_to_mla_with_report
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      initializer_range=0.2)  # fmt: skip
+    src = Decoder(cfg).eval()
+    D, F = cfg.head_size, cfg.head_size // 2  # 8, 4
+    with torch.no_grad():  # frequency 3 (coordinates 3 and 7) loud in every head
+        for layer in src.layers:
+            for w in (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight):
+                w.view(-1, D, 32)[:, [3, 3 + F]] *= 6.0
+    ids = torch.randint(0, VOCAB, (4, 16))
+    inputs = {}
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda _m, args, kwargs, i=i: inputs.__setitem__(i, (args[0] if args else kwargs["x"])),
+        with_kwargs=True) for i, layer in enumerate(src.layers)]  # fmt: skip
+    with torch.no_grad():
+        src(ids)
+    for h in hooks:
+        h.remove()
+    score = torch.zeros(F, dtype=torch.float64)
+    G = cfg.num_attention_heads // cfg.num_key_value_heads
+    for i, layer in enumerate(src.layers):
+        x = inputs[i].detach().double().reshape(-1, 32)
+        q = (x @ layer.self_attn.q_proj.weight.detach().double().T).view(-1, 4, D)
+        k = (x @ layer.self_attn.k_proj.weight.detach().double().T).view(-1, 2, D)
+        eq = (q[..., :F] ** 2 + q[..., F:] ** 2).mean(0)  # [H, F]
+        ek = (k[..., :F] ** 2 + k[..., F:] ** 2).mean(0)  # [Hk, F]
+        score += (eq.sqrt() * ek.sqrt().repeat_interleave(G, 0)).sum(0)
+    kept = 2  # Dr = 4
+    strides = range(1, (F - 1) // (kept - 1) + 1)
+    want = max(strides, key=lambda s: float(score[torch.arange(kept) * s].sum()))
+    _, report = convert_to_mla_with_report(src, ids, kv_lora_rank=8, qk_rope_head_dim=4,
+                                           rope_selection="2norm")  # fmt: skip
+    assert report.rope_stride == want == 3 and report.kept_frequencies == [0, 3]
+    with pytest.raises(ValueError, match="rope_selection='best'.*weighted"):
+        convert_to_mla_with_report(src, ids, 8, 4, rope_selection="best")

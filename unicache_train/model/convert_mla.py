@@ -86,6 +86,7 @@ __all__ = [
 ]
 
 WEIGHTINGS = ("output", "none")
+ROPE_SELECTIONS = ("weighted", "2norm")
 INITS = ("svd", "random")
 ROTATIONS = ("mean", "drop")
 
@@ -150,6 +151,7 @@ def convert_to_mla(
     init: str = "svd",
     weighting: str = "output",
     rotation: str = "mean",
+    rope_selection: str = "weighted",
     ridge: float = 1e-6,
     batch_size: int = 8,
     seed: int = 0,
@@ -165,6 +167,11 @@ def convert_to_mla(
         weighting: ``"output"`` (sensitivity-weighted joint K/V PCA) or ``"none"`` (plain).
         rotation: ``"mean"`` (attention-weighted expected rotation replaces RoPE in the NoPE
             part) or ``"drop"`` (plain RoPE removal, as in MHA2MLA).
+        rope_selection: how the RoPE stride is scored: ``"weighted"`` (the logit error removed,
+            step 2 of the module docstring) or ``"2norm"`` (MHA2MLA's S_2-norm criterion: the
+            summed ``‖q_h,i‖ ‖k_g,i‖`` of the kept frequencies). MHA2MLA keeps each head's own
+            top frequencies; a DeepseekV3 ``k_pe`` needs one geometric ladder, so here either
+            criterion picks among the ladders ``{0, s, 2s, ...}``.
         ridge: ridge of the ``kv_b_proj`` least-squares fit, relative to the latent's scale.
         batch_size: calibration sequences per forward pass.
         seed: seed of the random init (the global RNG is left untouched).
@@ -180,6 +187,7 @@ def convert_to_mla(
         init=init,
         weighting=weighting,
         rotation=rotation,
+        rope_selection=rope_selection,
         ridge=ridge,
         batch_size=batch_size,
         seed=seed,
@@ -196,6 +204,7 @@ def convert_to_mla_with_report(
     init: str = "svd",
     weighting: str = "output",
     rotation: str = "mean",
+    rope_selection: str = "weighted",
     ridge: float = 1e-6,
     batch_size: int = 8,
     seed: int = 0,
@@ -224,6 +233,10 @@ def convert_to_mla_with_report(
         raise ValueError(f"rotation={rotation!r}: choose one of {list(ROTATIONS)}")
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting={weighting!r}: choose one of {list(WEIGHTINGS)}")
+    if rope_selection not in ROPE_SELECTIONS:
+        raise ValueError(
+            f"rope_selection={rope_selection!r}: choose one of {list(ROPE_SELECTIONS)}"
+        )
     if not (isinstance(Dr, int) and 2 <= Dr <= D and Dr % 2 == 0):
         raise ValueError(f"qk_rope_head_dim={Dr} must be even and in [2, head_dim={D}]")
     if not (isinstance(R, int) and 1 <= R <= 2 * Hk * D):
@@ -252,7 +265,7 @@ def convert_to_mla_with_report(
     )
 
     # RoPE head: per-layer gains per frequency, then one stride for the whole model.
-    gains = torch.stack([plan.rope_gains(rotation) for plan in layers]).sum(0)  # [F]
+    gains = torch.stack([plan.rope_gains(rotation, rope_selection) for plan in layers]).sum(0)
     stride = _best_stride(gains, D // 2, Dr // 2)
     kept = [m * stride for m in range(Dr // 2)]
     theta_new = float(src.rope_theta ** (stride * Dr / D))
@@ -431,9 +444,11 @@ class _LayerPlan:
             return torch.ones_like(self.rot_num)
         return self.rot_num / self.rot_den.clamp_min(1e-30)
 
-    def rope_gains(self, rotation: str) -> torch.Tensor:
-        """[F] logit error removed by putting frequency i's principal key into k_pe; also stores
-        the per-frequency principal directions ``u`` [F, Hk] and key covariances."""
+    def rope_gains(self, rotation: str, selection: str = "weighted") -> torch.Tensor:
+        """[F] score of putting frequency i's principal key into k_pe: the logit error removed
+        (``selection="weighted"``) or MHA2MLA's 2-norm ``sum_h ‖q_h,i‖ ‖k_g,i‖``
+        (``"2norm"``); also stores the per-frequency principal directions ``u`` [F, Hk] and key
+        covariances."""
         zk, zq = _complex(self.wk), _complex(self.wq)  # [Hk, F, C], [H, F, C]
         cov = self.cov.to(zk.dtype)
         kcov = torch.einsum("gic,cd,hid->igh", zk, cov, zk.conj())  # [F, Hk, Hk] E[z zᴴ]
@@ -450,6 +465,8 @@ class _LayerPlan:
         m = self.mean_rotation("mean")
         cost = (2 - 2 * m.real) if rotation == "drop" else (1 - m.abs() ** 2)
         cost = cost.clamp_min(0).sqrt()
+        if selection == "2norm":
+            return (q_energy.sqrt() * k_all.sqrt()).sum(1)
         return (q_energy.sqrt() * (k_all.sqrt() - k_res.sqrt()) * cost.T).sum(1)
 
     def plan_latent(self, kept: list[int], R: int, Dr: int, weighting: str) -> None:
