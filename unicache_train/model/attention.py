@@ -35,11 +35,14 @@ Gemma 3 options: ``query_pre_attn_scalar`` (the softmax scale) and ``attn_logit_
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from unicache_train.config import ModelConfig
 from unicache_train.model.kv_cache import KVCache
@@ -335,7 +338,11 @@ class Attention(nn.Module):
             # and the causal kernel skips the masked blocks the general mask cannot.
             return self._attend(q_rot, k_rot, v, is_causal=True)
         seg_k, seg_v = segment.keys.to(k_rot.dtype), segment.values.to(v.dtype)
-        if segment_attention_mode(q_rot.device) == "per_sample" and self.softcap is None:
+        mode = segment_attention_mode(q_rot.device)
+        if mode == "flex":
+            return attend_segment_flex(q_rot, k_rot, v, seg_k, seg_v, segment, split,
+                                       scale=self.scale, softcap=self.softcap, enable_gqa=gqa)
+        if mode == "per_sample" and self.softcap is None:
             return attend_segment_per_sample(q_rot, k_rot, v, seg_k, seg_v, segment, split,
                                              scale=self.scale, enable_gqa=gqa)
         mask = segment_attention_mask(segment, split, q_rot.shape[2], q_rot.dtype)
@@ -421,7 +428,7 @@ def count_bias(counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 #: How the seam's attention runs (see :func:`segment_attention_mode`): ``"auto"``,
-#: ``"batched"`` or ``"per_sample"``.
+#: ``"batched"``, ``"per_sample"`` or ``"flex"``.
 SEGMENT_ATTENTION = "auto"
 
 
@@ -431,14 +438,20 @@ def segment_attention_mode(device: torch.device) -> str:
     sample, a causal SDPA for the context rows and a masked one for the continuation rows over
     ``[valid segment ; continuation]`` only: on CPU the dense mask costs ``T x (M + T)`` work
     without the causal kernel's block skipping, which made the in-loop step 1.35x the plain one
-    at width 128 with nothing compressed. ``"auto"``: per-sample on CPU, batched elsewhere."""
-    if SEGMENT_ATTENTION not in ("auto", "batched", "per_sample"):
+    at width 128 with nothing compressed. ``"flex"``: one FlexAttention call
+    (:func:`attend_segment_flex`) with a block mask built from the split and ``valid`` (no dense
+    mask: at 8k tokens and ``M = T`` the fp32 mask is 0.5 GiB per sample) and the ``log(count)``
+    bias as a ``score_mod``; compiled on CUDA; on CPU torch's FlexAttention is forward-only and
+    unfused (tests, ``no_grad``). ``"auto"``: per-sample on CPU, flex on CUDA, batched elsewhere.
+    (MLA's seam, ``model/mla.py``, knows ``"per_sample"`` and otherwise takes the batched mask.)"""
+    if SEGMENT_ATTENTION not in ("auto", "batched", "per_sample", "flex"):
         raise ValueError(
-            f"SEGMENT_ATTENTION={SEGMENT_ATTENTION!r}; choose 'auto', 'batched' or 'per_sample'"
+            f"SEGMENT_ATTENTION={SEGMENT_ATTENTION!r}; choose 'auto', 'batched', 'per_sample' "
+            "or 'flex'"
         )
     if SEGMENT_ATTENTION != "auto":
         return SEGMENT_ATTENTION
-    return "per_sample" if device.type == "cpu" else "batched"
+    return {"cpu": "per_sample", "cuda": "flex"}.get(device.type, "batched")
 
 
 def attend_segment_per_sample(
@@ -532,6 +545,204 @@ def segment_attention_mask(
     return torch.cat([seg_mask, full_mask], dim=-1)[:, None]  # [B, 1, T, M + T]
 
 
+#: FlexAttention's tile (queries x keys) of the seam's block mask; the segment is padded to a
+#: multiple of it so that no key tile holds both segment entries and sequence tokens.
+FLEX_BLOCK_SIZE = 128
+
+
+class SegmentFlex(NamedTuple):
+    """Everything one FlexAttention call over ``[segment ; sequence]`` keys takes
+    (:func:`segment_flex_inputs`). ``Mp`` = ``M`` rounded up to :data:`FLEX_BLOCK_SIZE`.
+
+    Attributes:
+        keys: [B, Hk, Mp + T, Dq] the segment (padded with zero entries) then the sequence.
+        values: [B, Hk, Mp + T, Dv].
+        score_mod: ``(score, b, h, q_idx, kv_idx) -> score``: the softcap (if any), then
+            ``log(count)`` on segment entries (0 on sequence keys).
+        mask_mod: ``(b, h, q_idx, kv_idx) -> bool``: the seam's visibility (True = attend).
+        block_mask: the tiles of ``mask_mod`` that hold a visible pair (partial) and those where
+            every pair is visible (full), computed from ``split`` and ``valid`` per tile.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    score_mod: Callable
+    mask_mod: Callable
+    block_mask: BlockMask
+
+
+def segment_flex_inputs(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seg_k: torch.Tensor,
+    seg_v: torch.Tensor,
+    segment: KVSegment,
+    split: torch.Tensor,
+    dtype: torch.dtype,
+    softcap: float | None = None,
+    block_size: int = FLEX_BLOCK_SIZE,
+) -> SegmentFlex:
+    """The seam of :func:`segment_attention_mask` as FlexAttention's keys, ``score_mod``,
+    ``mask_mod`` and block mask, with no ``[T, M + T]`` tensor anywhere.
+
+    Key ``kv`` < ``Mp`` is segment entry ``kv``: visible from query ``q`` iff ``q >= split[b]``
+    and the entry is valid (the padding to ``Mp`` is invalid); score + ``log(count)``. Key
+    ``kv >= Mp`` is sequence token ``j = kv - Mp``: visible iff ``j <= q`` and (``q < split[b]``
+    or ``j >= split[b]``): context queries see the causal context, continuation queries the
+    causal continuation. Every query sees itself, so no row is empty.
+
+    Args:
+        k: [B, Hk, T, Dq]; v: [B, Hk, T, Dv] (the sequence, post-RoPE).
+        seg_k: [B, Hk, M, Dq], seg_v: [B, Hk, M, Dv] (the segment, in the attention dtype).
+        segment: for ``valid``/``counts`` [B, M].
+        split: [B] first continuation token per sample (clamped to ``[0, T]``).
+        dtype: dtype of the attention logits: ``log(count)`` is rounded to it, as in the dense
+            mask, then added in fp32 (FlexAttention's score dtype).
+        softcap: ``attn_logit_softcapping`` (logits -> cap * tanh(logits / cap) before the bias,
+            as :func:`attention_op`), or None.
+        block_size: the block mask's tile.
+
+    Returns:
+        :class:`SegmentFlex`.
+    """
+    B, _, T, _ = k.shape
+    M = seg_k.shape[2]
+    Mp = -(-M // block_size) * block_size
+    pad = Mp - M
+    device = k.device
+    split = split.to(device=device, dtype=torch.long).clamp(0, T)  # [B]
+    # [B, Mp + T] per key: valid (padding entries not) and the additive bias (0 on tokens).
+    valid = F.pad(segment.valid.to(torch.bool), (0, pad))  # [B, Mp]
+    key_valid = torch.cat([valid, valid.new_ones(B, T)], dim=1)
+    seg_bias = F.pad(count_bias(segment.counts, dtype).float(), (0, pad))  # [B, Mp]
+    key_bias = torch.cat([seg_bias, seg_bias.new_zeros(B, T)], dim=1)
+    keys = torch.cat([F.pad(seg_k, (0, 0, 0, pad)), k], dim=2)  # [B, Hk, Mp + T, Dq]
+    values = torch.cat([F.pad(seg_v, (0, 0, 0, pad)), v], dim=2)  # [B, Hk, Mp + T, Dv]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        s = split[b]
+        j = kv_idx - Mp
+        cont = q_idx >= s
+        seg = kv_idx < Mp
+        return (seg & cont & key_valid[b, kv_idx]) | (~seg & (j <= q_idx) & (~cont | (j >= s)))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if softcap is not None:
+            score = torch.tanh(score / softcap) * softcap
+        return score + key_bias[b, kv_idx]
+
+    block_mask = _segment_block_mask(valid, split, T, block_size, mask_mod)
+    return SegmentFlex(keys, values, score_mod, mask_mod, block_mask)
+
+
+def _segment_block_mask(
+    valid: torch.Tensor, split: torch.Tensor, T: int, bs: int, mask_mod: Callable
+) -> BlockMask:
+    """The seam's :class:`BlockMask` from tile bounds, without evaluating ``mask_mod`` per pair
+    (``create_block_mask`` would materialise the [B, T, Mp + T] mask it reduces; the test checks
+    this function against it).
+
+    A tile is *partial* (``mask_mod`` applied) if some pair in it is visible and *full* (mask
+    skipped, ``score_mod`` still applied) if every pair is; tiles reaching past ``T`` are never
+    full (``create_block_mask`` pads them with masked pairs).
+
+    Args:
+        valid: [B, Mp] bool, ``Mp`` a multiple of ``bs``.
+        split: [B] long in ``[0, T]``.
+
+    Returns:
+        BlockMask over ``T`` queries and ``Mp + T`` keys, batch ``B``, heads broadcast.
+    """
+    B, Mp = valid.shape
+    nq, ns = -(-T // bs), Mp // bs
+    s = split[:, None, None]  # [B, 1, 1]
+    start = torch.arange(nq, device=valid.device) * bs  # [nq] first token of a tile
+    last = (start + bs).clamp(max=T) - 1  # [nq] last token of a tile
+    inside = start + bs <= T  # [nq] the tile does not reach past T
+    q0, q1, q_in = start[None, :, None], last[None, :, None], inside[None, :, None]
+    # Segment tiles [B, nq, ns]: continuation queries x valid entries.
+    v_any = valid.view(B, ns, bs).any(-1)[:, None, :]
+    v_all = valid.view(B, ns, bs).all(-1)[:, None, :]
+    seg_any = (q1 >= s) & v_any
+    seg_full = (q0 >= s) & v_all & q_in
+    # Sequence tiles [B, nq, nq]: keys j0..j1 against queries q0..q1.
+    j0, j1, j_in = start[None, None, :], last[None, None, :], inside[None, None, :]
+    ctx_last = torch.minimum(q1, s - 1)  # last context query of the tile
+    cont_first_key = torch.maximum(j0, s)  # first continuation key of the tile
+    tok_any = ((q0 <= ctx_last) & (j0 <= ctx_last)) | (
+        (torch.maximum(q0, s) <= q1) & (cont_first_key <= j1) & (cont_first_key <= q1)
+    )
+    tok_full = (j1 <= q0) & ((q1 < s) | (j0 >= s)) & q_in & j_in
+    any_ = torch.cat([seg_any, tok_any], dim=-1)[:, None]  # [B, 1, nq, ns + nq]
+    full = torch.cat([seg_full, tok_full], dim=-1)[:, None]
+    partial = any_ & ~full
+
+    def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # count per row, then the tiles' indices (those present first, ascending): torch's order
+        blocks = blocks.to(torch.int32)
+        idx = torch.argsort(blocks, dim=-1, descending=True, stable=True)
+        return blocks.sum(-1, dtype=torch.int32), idx.to(torch.int32)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=bs,
+                                    mask_mod=mask_mod, seq_lengths=(T, Mp + T))  # fmt: skip
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable:
+    """``torch.compile(flex_attention)``, built on first use (no compile at import): the fused
+    kernel that skips masked tiles and never materialises the scores."""
+    return torch.compile(flex_attention)
+
+
+def attend_segment_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seg_k: torch.Tensor,
+    seg_v: torch.Tensor,
+    segment: KVSegment,
+    split: torch.Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """The seam's attention as one FlexAttention call (same result as
+    :func:`segment_attention_mask` + :func:`attention_op`; ``tests/test_flex_seam.py``).
+
+    On CUDA the call is compiled (fused, masked tiles skipped). On CPU torch runs FlexAttention
+    eagerly, forward only (the unfused reference: it materialises the scores and ignores the
+    block mask's sparsity), so this mode on CPU is for tests under ``no_grad``.
+
+    Args:
+        q: [B, H, T, Dq]; k: [B, Hk, T, Dq]; v: [B, Hk, T, Dv] (the sequence, post-RoPE).
+        seg_k: [B, Hk, M, Dq], seg_v: [B, Hk, M, Dv] (the segment, in the attention dtype).
+        segment: for ``valid``/``counts`` [B, M].
+        split: [B].
+        scale: logit scale (None: 1/sqrt(Dq)).
+        softcap: ``attn_logit_softcapping`` or None.
+        enable_gqa: H a multiple of Hk.
+
+    Returns:
+        [B, H, T, Dv].
+
+    Raises:
+        NotImplementedError: on CPU with inputs that require grad (torch's FlexAttention has no
+            CPU backward).
+    """
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, seg_k, seg_v)
+    ):
+        raise NotImplementedError(
+            f"SEGMENT_ATTENTION='flex' on CPU: FlexAttention in torch {torch.__version__} has no "
+            "CPU backward; use 'per_sample' (the CPU default) or 'batched', or call under "
+            "torch.no_grad()"
+        )
+    fx = segment_flex_inputs(k, v, seg_k, seg_v, segment, split, q.dtype, softcap=softcap)
+    kernel = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
+    return kernel(q, fx.keys, fx.values, score_mod=fx.score_mod, block_mask=fx.block_mask,
+                  scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+
+
 def _gather_rope(
     rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, seg_positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -561,12 +772,16 @@ def kv_bytes_per_token(config: ModelConfig, bytes_per_element: int = 2) -> int:
 
 __all__ = [
     "Attention",
+    "FLEX_BLOCK_SIZE",
     "QKV",
+    "SegmentFlex",
+    "attend_segment_flex",
     "attend_segment_per_sample",
     "attention_op",
     "count_bias",
     "kv_bytes_per_token",
     "segment_attention_mask",
     "segment_attention_mode",
+    "segment_flex_inputs",
     "sliding_causal_mask",
 ]
