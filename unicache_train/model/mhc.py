@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from unicache_train.config import ModelConfig
+from unicache_train.ops import mhc as mhc_ops
 from unicache_train.ops.sinkhorn import sinkhorn
 
 __all__ = ["HCCoeffs", "HyperConnection", "HyperHead", "hc_preset_of"]
@@ -116,88 +116,47 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-class _RMSProject(torch.autograd.Function):
-    """``raw = RMSNorm_unweighted(x) @ w.T`` with the per-token ``1/rms`` applied after the GEMM.
-
-    ``1/rms`` is a per-token scalar, so it commutes with the projection (DeepSeek's fused kernels
-    do the same): no normalised ``[M, n*C]`` copy is written, and the hand-written backward
-    writes ``dL/dx`` once (a GEMM) and adds the norm term in place, where autograd through
-    norm-then-linear allocates two ``[M, n*C]`` gradients and sums them. On CPU, fresh
-    ``[M, n*C]`` buffers (page faults) are the dominant cost of the connection. Agrees with HF's
-    norm-then-project to fp32 rounding.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
-        """x: [M, N] (N = n*C, any float dtype); w: [K, N] -> raw [M, K] in ``w.dtype``."""
-        xf = x.to(w.dtype)  # no copy for fp32 streams
-        N = xf.shape[-1]
-        inv = torch.rsqrt(torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square() / N + eps)
-        raw = (xf @ w.t()).mul_(inv)  # [M, N] @ [N, K] -> [M, K]
-        ctx.save_for_backward(x, w, inv, raw)
-        return raw
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        x, w, inv, raw = ctx.saved_tensors
-        xf = x.to(w.dtype)
-        N = xf.shape[-1]
-        gs = g * inv  # [M, K]: dL/d(x @ w.T)
-        gw = gs.t() @ xf  # [K, M] @ [M, N] -> [K, N]
-        # d(1/rms)/dx = -(1/rms)^3 x / N, contracted with g * (x @ w.T) = g * raw * rms.
-        coef = (g * raw).sum(-1, keepdim=True).mul_(inv.square()).div_(-N)  # [M, 1]
-        gx = (gs @ w).addcmul_(xf, coef)  # [M, K] @ [K, N] -> [M, N], + coef * x in place
-        return gx.to(x.dtype), gw, None
-
-
-def _rms_project(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_project(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "auto"
+) -> torch.Tensor:
     """``RMSNorm_unweighted(flatten(x)) @ weight.T`` (HF's ``input_norm`` then ``F.linear``).
 
     Args:
         x: [B, T, n, C] streams (any float dtype).
         weight: [K, n*C] projection in the compute dtype (fp32, or fp64 for fp64 streams).
         eps: RMSNorm epsilon (``config.rms_norm_eps``, as HF's ``input_norm``).
+        backend: :func:`unicache_train.ops.mhc.rms_project`'s (``auto``: fused Triton on CUDA).
 
     Returns:
         [B, T, K] raw logits in ``weight.dtype``.
     """
     B, T = x.shape[:2]
-    raw = _RMSProject.apply(x.reshape(B * T, -1), weight, eps)  # [B*T, n*C] -> [B*T, K]
-    return raw.view(B, T, -1)
+    return mhc_ops.rms_project(x.reshape(B, T, -1), weight, eps, backend)  # [B, T, n*C] -> K
 
 
-def _collapse(pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``u = sum_i pre_i X_i``: pre [B, T, n] (compute dtype), x [B, T, n, C] -> [B, T, C]."""
-    B, T, n, C = x.shape
-    if x.dtype == pre.dtype:
-        # One batched GEMM reads X once; HF's (pre * X).sum(2) writes an [B, T, n, C] temporary
-        # forward and backward. NOTE: bmm on explicit [M, ...] views, not a 4-D matmul, whose
-        # broadcasting path expands and reduces in backward.
-        u = torch.bmm(pre.reshape(B * T, 1, n), x.reshape(B * T, n, C))  # [M,1,n] @ [M,n,C]
-        return u.view(B, T, C)
-    # Low-precision streams: HF's expression (fp32 products and sum, one cast) for parity.
-    return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)  # [B,T,n,1] * [B,T,n,C] -> [B,T,C]
+def _collapse(pre: torch.Tensor, x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """``u = sum_i pre_i X_i``: pre [B, T, n] (compute dtype), x [B, T, n, C] -> [B, T, C].
+
+    :func:`unicache_train.ops.mhc.collapse`: one batched GEMM (torch) or one fused kernel that
+    reads X once (Triton, ``auto`` on CUDA).
+    """
+    return mhc_ops.collapse(pre, x, backend)
 
 
-def _mix(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+def _mix(
+    x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor, backend: str = "auto"
+) -> torch.Tensor:
     """``X' = res @ X + post (x) f`` (HF: ``post * f + comb^T X``), in ``x.dtype``.
 
     Args:
         x: [B, T, n, C] streams; f: [B, T, C] branch output; post: [B, T, n]; res: [B, T, n, n].
+        backend: :func:`unicache_train.ops.mhc.mix`'s (``auto``: fused Triton on CUDA).
 
     Returns:
-        [B, T, n, C]. One output buffer: the GEMM writes ``res @ X`` and the rank-1 ``post (x) f``
-        is accumulated into it in place (``baddbmm_``), whose backward gives ``d post`` and
-        ``d f`` as batched GEMMs, without ``[B, T, n, C]`` temporaries.
+        [B, T, n, C]. torch: one output buffer (``bmm`` then ``baddbmm_`` in place, no
+        ``[B, T, n, C]`` temporaries); Triton: one kernel reading X and f once, writing X' once.
     """
-    B, T, n, C = x.shape
-    dtype = x.dtype
-    M = B * T
-    out = torch.bmm(res.to(dtype).reshape(M, n, n), x.reshape(M, n, C))  # [M,n,n] @ [M,n,C]
-    # [M,n,1] @ [M,1,C] -> [M,n,C] added in place
-    out.baddbmm_(post.to(dtype).reshape(M, n, 1), f.to(dtype).reshape(M, 1, C))
-    return out.view(B, T, n, C)
+    return mhc_ops.mix(x, f, post, res, backend)
 
 
 def _logit(p: float) -> float:
@@ -242,9 +201,16 @@ class HyperConnection(_Fp32Params):
 
     Monitoring: set ``self.record = True`` and each forward stores detached
     :class:`HCCoeffs` in ``self.last_coeffs``; nothing is stored (or computed) otherwise.
+
+    Kernels: ``self.backend`` (class default ``"auto"``: the fused Triton kernels of
+    :mod:`unicache_train.ops.mhc` for CUDA streams, the torch path on CPU; ``"torch"`` or
+    ``"triton"`` to force one) picks the implementation of the three stream passes (projection,
+    collapse, mix). An execution choice, not a model field: it is not saved with the config.
     The first connection of a decoder only ever sees ``n`` copies of the embedding: under mHC
     its ``res`` acts only through its row sums (fixed at 1) and gets no gradient (as in HF).
     """
+
+    backend: str = "auto"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -319,7 +285,7 @@ class HyperConnection(_Fp32Params):
         # modules fp32), also under bf16-mixed.
         cdt = _compute_dtype(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            raw = _rms_project(x, self.fn.to(cdt), self.norm_eps)  # [B, T, K]
+            raw = _rms_project(x, self.fn.to(cdt), self.norm_eps, self.backend)  # [B, T, K]
             raw_pre, raw_post, raw_res = raw.split([n, n, n * n], dim=-1)
             b_pre, b_post, b_res = self.base.to(cdt).split([n, n, n * n])
             s_pre, s_post, s_res = self.scale.to(cdt).unbind(0)
@@ -367,10 +333,10 @@ class HyperConnection(_Fp32Params):
         if self.record:
             self.last_coeffs = c.detach()
         with torch.autocast(device_type=x.device.type, enabled=False):
-            u = _collapse(c.pre, x)  # [B, T, C]
+            u = _collapse(c.pre, x, self.backend)  # [B, T, C]
         f = branch(u)  # [B, T, C], under the caller's autocast
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return _mix(x, f, c.post, c.res)  # [B, T, n, C]
+            return _mix(x, f, c.post, c.res, self.backend)  # [B, T, n, C]
 
     def extra_repr(self) -> str:
         return (
