@@ -11,7 +11,10 @@ summary table is printed at the end):
 3. ``gpu_mhc.csv``       mHC step overhead vs the plain residual at widths 2048 and 4096: a
                          4-layer ``x + SwiGLU(RMSNorm(x))`` stack wired as the plain residual, our
                          ``HyperConnection`` and transformers' ``DeepseekV4HyperConnection`` (the
-                         stacks of ``bench_mhc_overhead.py``), fwd+bwd, bf16.
+                         stacks of ``bench_mhc_overhead.py``), fwd+bwd, bf16. Ours runs as
+                         ``ours`` (``backend="auto"``: the fused Triton kernels on CUDA) and
+                         ``ours_unfused`` (``backend="torch"``); the fused row's note holds
+                         its time over the unfused one.
 4. ``gpu_compress.csv``  the in-loop compression training step on SmolLM2-135M in bf16 (autocast,
                          as Lightning's ``bf16-mixed``): plain step vs UniCache in the loop vs
                          xKV in the loop (the configs of ``bench_compress_overhead.py``).
@@ -129,7 +132,7 @@ DRY_SIZES = Sizes(
     sinkhorn_ns=(4, 8),
     sinkhorn_iters=3,  # the Triton interpreter runs numpy op by op: seconds per iteration
     mhc_widths=(64,),
-    mhc_tokens=64,
+    mhc_tokens=16,  # the fused case runs under the Triton interpreter: one program per token
     mhc_layers=2,
     compress_batch=2,
     compress_seq=64,
@@ -421,7 +424,18 @@ def section_mhc(ctx: SimpleNamespace) -> list[dict]:
 
     s, dev, n = ctx.sizes, ctx.device, 4
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    # ``auto`` picks the fused Triton kernels on CUDA; where it does not (the dry run's CPU, or
+    # no triton) the fused kernels are timed as their own case when they can run at all.
+    auto_fused = dev.type == "cuda" and not _triton_note(ctx)
+    fused_case = not auto_fused and not _triton_note(ctx)
     rows = []
+
+    def hc_model(C: int, backend: str) -> torch.nn.Module:
+        model = bm.Ours(C, s.mhc_layers, n).to(dev, dtype)
+        for hc in model.hcs:
+            hc.backend = backend  # HyperConnection.backend: auto | torch | triton
+        return model
+
     for C in s.mhc_widths:
         torch.manual_seed(0)
         x1 = torch.randn(1, s.mhc_tokens, C, device=dev, dtype=dtype)
@@ -437,8 +451,21 @@ def section_mhc(ctx: SimpleNamespace) -> list[dict]:
 
         cases = [
             Timed("plain", stack_step(bm.Plain(C, s.mhc_layers).to(dev, dtype), x1, g1)),
-            Timed("ours", stack_step(bm.Ours(C, s.mhc_layers, n).to(dev, dtype), xn, gn)),
+            Timed(
+                "ours",
+                stack_step(hc_model(C, "auto"), xn, gn),
+                note="backend=auto: " + ("fused triton" if auto_fused else "torch path"),
+            ),
+            Timed("ours_unfused", stack_step(hc_model(C, "torch"), xn, gn), note="backend=torch"),
         ]
+        if fused_case:
+            cases.append(
+                Timed(
+                    "ours_fused",
+                    stack_step(hc_model(C, "triton"), xn, gn),
+                    note="backend=triton" + (" (TRITON_INTERPRET=1)" if dev.type == "cpu" else ""),
+                )
+            )
         hf_reason = ""
         try:
             hf = bm.HF(C, s.mhc_layers, n).to(dev, dtype)
@@ -454,10 +481,15 @@ def section_mhc(ctx: SimpleNamespace) -> list[dict]:
             "n": str(n),
             "dtype": str(dtype).removeprefix("torch."),
         }
+        unfused = next(c for c in cases if c.name == "ours_unfused")
         for c in cases:
             row = {**head, "case": c.name, **_timing_row(c, cases[0], "ratio_vs_plain")}
             if row["status"] == "ok":
                 row["overhead_vs_plain"] = _fmt(float(row["ratio_vs_plain"]) - 1)
+                fused = c.name == "ours_fused" or (c.name == "ours" and auto_fused)
+                if fused and unfused.ok:
+                    c.note += f"; time / ours_unfused = {_fmt(c.median / unfused.median)}"
+            row["note"] = c.note
             rows.append(row)
         if hf_reason:
             rows.append(
