@@ -19,9 +19,11 @@ summary table is printed at the end):
                          as Lightning's ``bf16-mixed``): plain step vs UniCache in the loop vs
                          xKV in the loop (the configs of ``bench_compress_overhead.py``).
 5. ``gpu_seam.csv``      the compression seam's attention (``[segment ; sequence]`` with the
-                         ``log(count)`` bias, batched dense-mask and per-sample paths of
-                         ``model/attention.py``) vs plain causal SDPA at 2k and 8k tokens: fwd+bwd
-                         time and peak memory (``torch.cuda.max_memory_allocated``).
+                         ``log(count)`` bias, batched dense-mask, per-sample and FlexAttention
+                         paths of ``model/attention.py``) vs plain causal SDPA at 2k and 8k
+                         tokens: fwd+bwd time and peak memory
+                         (``torch.cuda.max_memory_allocated``). The dry run checks the flex path's
+                         forward only (no CPU backward in torch) and records it as skipped.
 
 Conventions (scripts/bench_common.py, scripts/bench_sinkhorn.py): every ratio is against a
 baseline timed in the same run; the cases of one setting are timed round-robin (one repeat of each
@@ -641,7 +643,12 @@ def _seam_setting(ctx: SimpleNamespace, T: int) -> list[dict]:
     """Plain causal SDPA vs the seam's two attention paths at ``T`` tokens (fwd+bwd)."""
     import torch.nn.functional as F
 
-    from unicache_train.model.attention import attend_segment_per_sample, segment_attention_mask
+    from unicache_train.model.attention import (
+        FLEX_BLOCK_SIZE,
+        attend_segment_flex,
+        attend_segment_per_sample,
+        segment_attention_mask,
+    )
 
     s, dev = ctx.sizes, ctx.device
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -673,6 +680,17 @@ def _seam_setting(ctx: SimpleNamespace, T: int) -> list[dict]:
         keys, values = torch.cat([seg_k, k], dim=2), torch.cat([seg_v, v], dim=2)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
+    def flex() -> torch.Tensor:  # SEGMENT_ATTENTION="flex" (torch.compile'd on CUDA)
+        return attend_segment_flex(q, k, v, seg_k, seg_v, seg, split, enable_gqa=True)
+
+    # The masks alone, analytically: the dense one is [B, 1, T, M + T] in the attention dtype;
+    # the block mask holds int32 tile counts [B, 1, nq] and indices [B, 1, nq, nk] for the partial
+    # and the full tiles, by kv and by q (8 tensors; nq query tiles, nk key tiles).
+    dense_mib = B * T * (M + T) * torch.finfo(dtype).bits / 8 / 2**20
+    nq = -(-T // FLEX_BLOCK_SIZE)
+    nk = -(-M // FLEX_BLOCK_SIZE) + nq
+    block_kib = B * (4 * nq * nk + 2 * nq + 2 * nk) * 4 / 2**10
+    flex_note = f"FlexAttention, block mask {block_kib:.0f} KiB ({FLEX_BLOCK_SIZE}-token tiles)"
     cases = [
         Timed(
             "plain_causal_sdpa",
@@ -680,7 +698,11 @@ def _seam_setting(ctx: SimpleNamespace, T: int) -> list[dict]:
                 lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             ),
         ),
-        Timed("seam_batched_mask", grad_step(batched), note="dense additive mask [B, 1, T, M + T]"),
+        Timed(
+            "seam_batched_mask",
+            grad_step(batched),
+            note=f"dense additive mask [B, 1, T, M + T] {dense_mib:.1f} MiB",
+        ),
         Timed(
             "seam_per_sample",
             grad_step(
@@ -690,6 +712,17 @@ def _seam_setting(ctx: SimpleNamespace, T: int) -> list[dict]:
             ),
         ),
     ]
+    flex_skip, diff = "", math.nan
+    if dev.type == "cuda":
+        cases.append(Timed("seam_flex", grad_step(flex), note=flex_note))
+    else:
+        # NOTE: torch's FlexAttention has no CPU backward: the dry run checks the forward (eager,
+        # unfused) against the dense mask and records the case as skipped.
+        with torch.no_grad():
+            diff = (flex() - batched()).abs().max().item()
+        flex_skip = (
+            f"{flex_note}; no CPU backward in torch: forward max|flex - batched| = {diff:.1e}"
+        )
     print(f"  seam T={T}", flush=True)
     time_cases(cases, dev, s.warmup, s.repeats, s.inner, peak=True)
     head = {
@@ -710,6 +743,11 @@ def _seam_setting(ctx: SimpleNamespace, T: int) -> list[dict]:
         else:
             row["peak_mib"] = row["peak_ratio_vs_plain"] = "nan"
             row["note"] = (c.note + "; " if c.note else "") + "peak memory: CUDA only"
+        rows.append(row)
+    if flex_skip:
+        row = {**head, "case": "seam_flex", "status": "skipped", "note": flex_skip}
+        if not diff <= 1e-4:  # fp32: the same softmax over the same keys
+            row.update(status="error", error=f"flex forward differs from the dense mask: {diff}")
         rows.append(row)
     return rows
 

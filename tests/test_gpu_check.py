@@ -81,7 +81,10 @@ def test_dry_run_writes_every_section(tmp_path):
         "plain_causal_sdpa",
         "seam_batched_mask",
         "seam_per_sample",
+        "seam_flex",
     }
+    flex = next(r for r in seam if r["case"] == "seam_flex")
+    assert flex["status"] == "skipped" and "no CPU backward" in flex["note"]  # CUDA: timed
 
 
 def test_dry_run_refuses_the_committed_results_dir():

@@ -729,14 +729,15 @@ def attend_segment_flex(
         NotImplementedError: on CPU with inputs that require grad (torch's FlexAttention has no
             CPU backward).
     """
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v, seg_k, seg_v)
-    ):
-        raise NotImplementedError(
-            f"SEGMENT_ATTENTION='flex' on CPU: FlexAttention in torch {torch.__version__} has no "
-            "CPU backward; use 'per_sample' (the CPU default) or 'batched', or call under "
-            "torch.no_grad()"
-        )
+    if q.device.type == "cpu":
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, seg_k, seg_v)):
+            raise NotImplementedError(
+                f"SEGMENT_ATTENTION='flex' on CPU: FlexAttention in torch {torch.__version__} has "
+                "no CPU backward; use 'per_sample' (the CPU default) or 'batched', or call under "
+                "torch.no_grad()"
+            )
+        # NOTE: torch refuses CPU inputs that require grad even under no_grad.
+        q, k, v, seg_k, seg_v = (t.detach() for t in (q, k, v, seg_k, seg_v))
     fx = segment_flex_inputs(k, v, seg_k, seg_v, segment, split, q.dtype, softcap=softcap)
     kernel = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
     return kernel(q, fx.keys, fx.values, score_mod=fx.score_mod, block_mask=fx.block_mask,
