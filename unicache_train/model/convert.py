@@ -6,7 +6,8 @@ Shape legend: B, T, n, C = batch, tokens, residual streams (``hc_mult``), hidden
 and initialises the new connection modules with ``hc_init="identity"`` (see
 :class:`~unicache_train.model.mhc.HyperConnection`): all scales 0 (coefficients independent of
 the input), ``pre = 1/n``, ``post = 1``, ``res`` uniform ``1/n`` (mHC) or ``I`` (HC), head
-``pre = 1/n``.
+``pre = 1/n`` (``deepseek_v4``: up to a factor ``1 - O(L eps)`` carried by the streams, see
+"Exactness" below).
 
 Why the converted model computes the source's function (induction over sub-layers):
 
@@ -20,12 +21,22 @@ Why the converted model computes the source's function (induction over sub-layer
 * Exit: the head collapses with ``pre = 1/n``: ``sum_i h / n = h``, then the same final norm and
   LM head.
 
-Exactness: ``post = 2 sigmoid(0) = 1`` is exact; ``deepseek_v4``'s ``pre`` carries ``+eps``
-after the sigmoid, compensated in ``b_pre`` (``sigmoid(b_pre) = 1/n - eps``), leaving fp32
-rounding. Both mHC Sinkhorn variants divide by ``sum + eps``, so a uniform ``res`` has rows
-summing to ``1 - eps`` and each mHC sub-layer scales the carried residual by ``1 - eps`` (1e-6):
-the converted model matches to ~``2 L eps`` relative (observed 9e-7 on the logits of a 3-layer
-model), inside the 1e-5 tolerance for realistic depths. HC (``res = I``) is exact up to rounding.
+Exactness (measured on SmolLM2-135M, 30 layers, logits up to 36,
+``scripts/smollm2_mhc_retrofit.py``): ``post = 2 sigmoid(b_post)`` and ``deepseek_v4``'s
+``pre = sigmoid(b_pre) + eps`` take any value through their biases, but no bias reaches a row sum
+of 1 for ``deepseek_v4``'s ``res``: its Sinkhorn divides by ``sum + eps`` to the last
+normalization, so the rows of any ``res`` sum to ``s / (s + eps) < 1`` (``r = 1 - 2^-20`` in fp32
+for the uniform one, eps = 1e-6). With ``post = 1`` every sub-layer then carried the residual
+times ``r``, discounting early contributions against late ones by up to ``r^(2L)``: SmolLM2's
+last residual was off by 2.5e-4 relative and its logits by 4e-3 (the same in fp64, and 0 in fp32
+with ``hc_eps = 0``, so it is this term and not rounding). The conversion therefore lets the
+streams carry the deficit: entering sub-layer ``k`` as ``c_k h`` (``c_0 = 1``), the connection
+gets ``sum(pre) = 1 / c_k`` and ``post = c_{k+1} = r c_k``
+(:meth:`~unicache_train.model.mhc.HyperConnection.init_identity`), and the head
+``pre = 1 / (n c_{2L})``. Each branch then sees exactly the plain residual and the head returns
+it: what is left is fp32 rounding of the biases and of the ``n``-term sums (SmolLM2: 2e-5 on
+logits up to 36; ``paper`` and HC, whose rows sum to 1, measured the same).
+``tests/test_mhc_retrofit.py`` bounds it against the plain model's own fp32 rounding.
 
 Leaving the identity point: the equal streams give every stream the same gradient, so training
 must break the symmetry through the scales (``d/ds = sum raw * dL/dz``, where ``raw`` differs per
@@ -93,6 +104,12 @@ def convert_to_mhc(
             f"convert_to_mhc: state dicts do not line up (missing {sorted(set(missing) - new_keys)}"
             f", unexpected {sorted(unexpected)})"
         )
+    # The identity point, exact for deepseek_v4's eps terms (module doc): chain the carries.
+    carry = 1.0
+    for layer in new.layers:
+        for hc in (layer.attn_hc, layer.ffn_hc):
+            carry = hc.init_identity(carry)
+    new.hc_head.init_identity(carry)
     new.to(dtype=ref.dtype)  # connection parameters stay fp32 (HyperConnection._apply)
     return new.train(model.training)
 

@@ -234,7 +234,7 @@ class HyperConnection(_Fp32Params):
     # ------------------------------------------------------------------------------------ init
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        n, eps = self.hc_mult, self.hc_eps
+        n = self.hc_mult
         b_pre, b_post, b_res = self.base.split([n, n, n * n])
         b_res = b_res.view(n, n)
         if self.init_mode == "identity":
@@ -243,17 +243,7 @@ class HyperConnection(_Fp32Params):
             # gradients of equal streams are equal). std 1e-3 makes the streams diverge ~20x
             # slower than the from-scratch std (spread 1e-5 vs 3e-4 after 4 AdamW steps).
             nn.init.normal_(self.fn, std=self.init_std)
-            self.scale.zero_()
-            if self.preset == "hc":
-                b_pre.fill_(1.0 / n)
-                b_post.fill_(1.0)
-                b_res.copy_(torch.eye(n))
-            else:
-                # NOTE: deepseek_v4 adds eps after the sigmoid: sigmoid(b) = 1/n - eps makes
-                # pre = 1/n (sum 1) to fp32 rounding. The paper's H_pre has no eps.
-                b_pre.fill_(_logit(1.0 / n - (eps if self.preset == "deepseek_v4" else 0.0)))
-                b_post.zero_()  # 2 sigmoid(0) = 1
-                b_res.zero_()  # softmax / exp of a constant -> uniform 1/n after Sinkhorn
+            self._set_identity_base(pre_total=1.0, post=1.0)
             return
         nn.init.normal_(self.fn, std=self.init_std)
         if self.preset == "deepseek_v4":
@@ -269,6 +259,69 @@ class HyperConnection(_Fp32Params):
             b_post.fill_(1.0)
             b_res.copy_(torch.eye(n))
             self.scale.fill_(HC_SCALE_INIT)
+
+    @torch.no_grad()
+    def _set_identity_base(self, pre_total: float, post: float) -> None:
+        """Scales 0 and ``base`` such that ``sum(pre) = pre_total``, every ``post_i = post``, and
+        ``res`` constant (uniform for mHC, ``I`` for HC). ``fn`` is left as it is."""
+        n = self.hc_mult
+        b_pre, b_post, b_res = self.base.split([n, n, n * n])
+        b_res = b_res.view(n, n)
+        self.scale.zero_()
+        if self.preset == "hc":
+            b_pre.fill_(pre_total / n)
+            b_post.fill_(post)
+            b_res.copy_(torch.eye(n))
+            return
+        # NOTE: deepseek_v4 adds eps after the sigmoid: sigmoid(b) = pre_total/n - eps makes
+        # pre = pre_total/n to fp32 rounding. The paper's H_pre has no eps.
+        eps = self.hc_eps if self.preset == "deepseek_v4" else 0.0
+        b_pre.fill_(_logit(pre_total / n - eps))
+        b_post.fill_(_logit(post / 2.0))  # post = 2 sigmoid(b_post); b_post = 0 for post = 1
+        b_res.zero_()  # softmax / exp of a constant -> uniform 1/n after Sinkhorn
+
+    @torch.no_grad()
+    def init_identity(self, carry: float = 1.0) -> float:
+        """Identity init of this connection at its depth in a retrofitted stack (see
+        :mod:`unicache_train.model.convert`); leaves ``fn`` (the symmetry breaker) as it is.
+
+        With every stream entering as ``carry * h``, sets scales 0, ``res`` constant,
+        ``sum(pre) = 1 / carry`` (the branch sees ``h``) and ``post = carry * r``, so that every
+        stream leaves as ``carry * r * (h + F(h))``. ``r`` is the row sum of that ``res`` as
+        this module computes it in fp32: 1 for ``paper`` (to rounding) and HC, but
+        ``deepseek_v4``'s Sinkhorn divides by ``sum + eps`` to the end, so its rows sum to
+        ``s / (s + eps) < 1`` for every input (``1 - 2^-20`` here for eps = 1e-6). No bias
+        can lift that below-1 row sum, so the streams carry the deficit instead: chaining
+        ``carry = hc.init_identity(carry)`` through the stack makes each branch see exactly the
+        plain residual and the residual keep its plain weighting, to fp32 rounding, instead of a
+        ``(1 - eps)`` discount per sub-layer (2.5e-4 relative at SmolLM2's last layer).
+
+        Args:
+            carry: > 0, the common factor of the incoming streams (1 at the embeddings).
+
+        Returns:
+            The outgoing streams' factor ``carry * r``; the next connection's ``carry`` (or
+            :meth:`HyperHead.init_identity`'s).
+
+        Raises:
+            ValueError: ``carry`` is not finite and positive, or ``carry * r`` is outside the
+                range ``post`` (``(0, 2)`` for mHC) or ``pre`` (``> eps * n`` total) can hold.
+        """
+        if not (math.isfinite(carry) and carry > 0):
+            raise ValueError(f"init_identity: carry={carry!r} is out of range; allowed (0, inf)")
+        self._set_identity_base(pre_total=1.0, post=1.0)
+        n = self.hc_mult
+        probe = torch.zeros(1, 1, n, self.hidden_size, device=self.base.device)
+        r = float(self.coefficients(probe).res.double().sum(-1).mean())  # [1, 1, n] row sums
+        out = carry * r
+        low = n * self.hc_eps if self.preset == "deepseek_v4" else 0.0
+        if self.preset != "hc" and not (out < 2.0 and 1.0 / carry > low):
+            raise ValueError(
+                f"init_identity: carry={carry!r} gives post={out!r} and sum(pre)={1 / carry!r}; "
+                f"allowed post in (0, 2) and sum(pre) > {low!r} for preset {self.preset!r}"
+            )
+        self._set_identity_base(pre_total=1.0 / carry, post=out)
+        return out
 
     # ---------------------------------------------------------------------------- coefficients
     def coefficients(self, x: torch.Tensor) -> HCCoeffs:
@@ -380,6 +433,24 @@ class HyperHead(_Fp32Params):
             nn.init.normal_(self.hc_fn, std=self.init_std)
             self.hc_base.zero_()
             self.hc_scale.fill_(1.0)
+
+    @torch.no_grad()
+    def init_identity(self, carry: float = 1.0) -> None:
+        """Identity init for streams that all enter as ``carry * h`` (the last connection's
+        :meth:`HyperConnection.init_identity` result): ``hc_scale = 0``, ``pre = 1/(n carry)``,
+        so the head returns ``h``. Leaves ``hc_fn`` as it is.
+
+        Raises:
+            ValueError: ``carry`` is not finite and positive, or ``1/(n carry) <= hc_eps``.
+        """
+        n = self.hc_mult
+        if not (math.isfinite(carry) and carry > 0 and 1.0 / (n * carry) > self.hc_eps):
+            raise ValueError(
+                f"HyperHead.init_identity: carry={carry!r} is out of range; allowed (0, inf) "
+                f"with 1/(hc_mult * carry) > hc_eps={self.hc_eps!r}"
+            )
+        self.hc_base.fill_(_logit(1.0 / (n * carry) - self.hc_eps))
+        self.hc_scale.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, n, C] -> [B, T, C] (``last_pre`` [B, T, n] stored when ``record``)."""
