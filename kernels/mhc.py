@@ -14,9 +14,10 @@ fp64 inputs):
 
 * :func:`rms_project_forward`: ``raw = (X @ fn^T) / rms(X)`` and ``1/rms`` in one pass over X:
   the sum of squares is accumulated beside the projection (the torch path reads X for the norm,
-  again for the GEMM, and writes an fp32 copy of bf16 streams first). Backward: one pass over X
-  writes ``dX = (g/rms) @ fn + coef * X`` and accumulates ``dfn = (g/rms)^T X`` (split over
-  tokens, partial sums added by torch).
+  again for the GEMM, and writes an fp32 copy of bf16 streams first). The flattened axis is
+  split across programs when there are few token blocks; torch adds the ``[splits, M, K]``
+  partial sums. Backward: one pass over X writes ``dX = (g/rms) @ fn + coef * X`` and
+  accumulates ``dfn = (g/rms)^T X`` (split over tokens, partial sums added by torch).
 * :func:`collapse_forward`: ``u = sum_i pre_i X_i``. Backward: ``dX_i = pre_i du`` and
   ``dpre_i = <du, X_i>`` in one pass.
 * :func:`mix_forward`: ``X' = res @ X + post (x) f`` (``res`` multiplies from the left,
@@ -192,11 +193,11 @@ def _mix_bwd_kernel(
 def _proj_fwd_kernel(
     x_ptr,
     w_ptr,
-    raw_ptr,
-    inv_ptr,
+    acc_ptr,
+    ss_ptr,
     M,
     NC,
-    eps,
+    COLS,
     K: tl.constexpr,
     KP: tl.constexpr,
     BM: tl.constexpr,
@@ -204,18 +205,21 @@ def _proj_fwd_kernel(
     DT: tl.constexpr,
     DOT: tl.constexpr,
 ):
-    """Program (block of BM tokens): ``raw = (x @ w^T) * inv``, ``inv = 1/sqrt(mean(x^2) + eps)``.
+    """Program (block of BM tokens, column split): this split's ``x @ w^T`` and ``sum x^2``.
 
-    x: [M, NC] (streams flattened, any float dtype); w: [K, NC]; raw: [M, K]; inv: [M].
+    x: [M, NC] (streams flattened, any float dtype); w: [K, NC]; acc: [splits, M, K];
+    ss: [splits, M]. The split owns columns ``[split * COLS, (split + 1) * COLS)``; the
+    launcher adds the splits and applies ``1/rms`` (a few ``[M, K]`` ops).
     """
     r = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)  # [BM]
+    split = tl.program_id(1).to(tl.int64)
     k = tl.arange(0, KP)  # [KP]
     rmask = r < M
     kmask = k < K
     acc = tl.zeros([BM, KP], dtype=DT)
     ss = tl.zeros([BM], dtype=DT)
-    for c0 in range(0, NC, BK):
-        c = c0 + tl.arange(0, BK)
+    for c0 in range(0, COLS, BK):
+        c = split * COLS + c0 + tl.arange(0, BK)
         cmask = c < NC
         x = tl.load(
             x_ptr + r[:, None] * NC + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0
@@ -228,13 +232,12 @@ def _proj_fwd_kernel(
         else:
             acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)  # [BM, BK, KP] -> [BM, KP]
         ss += tl.sum(x * x, axis=1)
-    inv = 1.0 / tl.sqrt(ss / NC + eps)  # [BM]
     tl.store(
-        raw_ptr + r[:, None] * K + k[None, :],
-        (acc * inv[:, None]).to(raw_ptr.dtype.element_ty),
+        acc_ptr + split * M * K + r[:, None] * K + k[None, :],
+        acc.to(acc_ptr.dtype.element_ty),
         mask=rmask[:, None] & kmask[None, :],
     )
-    tl.store(inv_ptr + r, inv.to(inv_ptr.dtype.element_ty), mask=rmask)
+    tl.store(ss_ptr + split * M + r, ss.to(ss_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -417,30 +420,45 @@ def _proj_tiles(cdt: torch.dtype, K: int) -> tuple[int, int, bool]:
     return max(16, triton.next_power_of_2(K)), 64, True
 
 
+# Programs of the projection's forward (token blocks x column splits) and backward (column
+# blocks x token splits): enough to fill a large GPU (132 SMs on an H100/H200).
+_PROJ_FWD_PROGRAMS = 512
+_PROJ_BWD_PROGRAMS = 1024
+
+
 def rms_project_forward(
     x: torch.Tensor, w: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, NC] (any float dtype), w [K, NC] -> (raw [M, K], inv [M]) in ``w.dtype``."""
+    """x [M, NC] (any float dtype), w [K, NC] -> (raw [M, K], inv [M]) in ``w.dtype``.
+
+    ``raw = (x @ w^T) * inv``, ``inv = (sum(x^2) / NC + eps)^-1/2`` (as the torch path).
+    """
     M, NC = x.shape
     K = w.shape[0]
     _check(x, 1)
     x, w = x.contiguous(), w.contiguous()
     cdt = _compute_dtype(x, w)
-    raw = torch.empty((M, K), dtype=cdt, device=x.device)
-    inv = torch.empty((M,), dtype=cdt, device=x.device)
-    if M:
-        kp, tile, dot = _proj_tiles(cdt, K)
-        bm = tile if dot else 16
-        bk = tile if dot else 16
-        _proj_fwd_kernel[(triton.cdiv(M, bm),)](
-            x, w, raw, inv, M, NC, eps,
-            K=K, KP=kp, BM=bm, BK=bk, DT=_tl_dtype(cdt), DOT=dot, num_warps=4,
-        )  # fmt: skip
+    if M == 0:
+        return torch.empty((0, K), dtype=w.dtype, device=x.device), torch.empty(
+            (0,), dtype=w.dtype, device=x.device
+        )
+    kp, tile, dot = _proj_tiles(cdt, K)
+    bm = bk = tile
+    n_row = triton.cdiv(M, bm)
+    # NOTE: split the columns while there are few token blocks (M = 8192 gives 128 blocks of
+    # 64, under one per SM of an H100), each split keeping >= 4 column tiles.
+    splits = max(1, min(triton.cdiv(_PROJ_FWD_PROGRAMS, n_row), triton.cdiv(NC, 4 * bk)))
+    cols = triton.cdiv(triton.cdiv(NC, splits), bk) * bk  # columns per split, a multiple of BK
+    splits = triton.cdiv(NC, cols)
+    acc = torch.empty((splits, M, K), dtype=cdt, device=x.device)
+    ss = torch.empty((splits, M), dtype=cdt, device=x.device)
+    _proj_fwd_kernel[(n_row, splits)](
+        x, w, acc, ss, M, NC, cols,
+        K=K, KP=kp, BM=bm, BK=bk, DT=_tl_dtype(cdt), DOT=dot, num_warps=4,
+    )  # fmt: skip
+    inv = torch.rsqrt(ss.sum(0) / NC + eps)  # [M]
+    raw = acc.sum(0).mul_(inv[:, None])  # [M, K]
     return raw.to(w.dtype), inv.to(w.dtype)
-
-
-# Column blocks x token splits of the projection backward: enough programs for a large GPU.
-_PROJ_BWD_PROGRAMS = 1024
 
 
 def rms_project_backward(

@@ -177,10 +177,12 @@ def test_pass_matches_torch_and_reference(tk, op, dtype, n, C):
 @interp
 @pytest.mark.parametrize("op", OPS)
 def test_several_tiles_and_token_splits(tk, op, monkeypatch):
-    # Small tiles: the channel loops run 3 tiles with a partial last one (C = 40, BC = 16), and
-    # the projection backward splits 18 tokens over 2 programs (fp64: 16 tokens per block).
+    # Small tiles: the channel loops run 3 tiles with a partial last one (C = 40, BC = 16); the
+    # projection forward splits its 160 columns in 2 (80 each, 5 tiles of 16), its backward
+    # splits 18 tokens over 2 programs (fp64: 16 tokens per block).
     monkeypatch.setattr(tk, "_TILE_2D", 64)
     monkeypatch.setattr(tk, "_TILE_3D", 256)
+    monkeypatch.setattr(tk, "_PROJ_FWD_PROGRAMS", 4)
     monkeypatch.setattr(tk, "_PROJ_BWD_PROGRAMS", 4)
     ins = _inputs(3, 6, 4, 40, torch.float64, seed=3)
     _assert_pass_matches(op, ins, ATOL[torch.float64], ref=False)
