@@ -84,6 +84,9 @@ class QuantizedKV:
         v_scale: as ``k_scale``.
         head_dim: D of the keys (needed to unpack an odd D from int4).
         value_dim: D of the values when it differs from the keys' (MLA: latent rank), else None.
+        latent: MLA's latent cache quantized once: the values are the first ``value_dim``
+            features of the dequantized keys, ``v_data``/``v_scale`` are ``k_data``/``k_scale``
+            themselves (no second copy, and :func:`stored_kv_bytes` counts one).
     """
 
     bits: int
@@ -94,6 +97,7 @@ class QuantizedKV:
     v_scale: torch.Tensor
     head_dim: int
     value_dim: int | None = None
+    latent: bool = False
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -113,7 +117,8 @@ def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def dequantize(quant: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed storage -> (keys, values) float32 [B, H, M, D]."""
+    """Packed storage -> (keys, values) float32 [B, H, M, D] (a latent's values: the keys' first
+    ``value_dim`` features, a view)."""
 
     def one(data: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
         q = unpack_int4(data, dim) if quant.bits == 4 else data
@@ -123,7 +128,10 @@ def dequantize(quant: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
         return q.float() * s
 
     v_dim = quant.value_dim if quant.value_dim is not None else quant.head_dim
-    return one(quant.k_data, quant.k_scale, quant.head_dim), one(quant.v_data, quant.v_scale, v_dim)
+    k = one(quant.k_data, quant.k_scale, quant.head_dim)
+    if quant.latent:
+        return k, k[..., :v_dim]
+    return k, one(quant.v_data, quant.v_scale, v_dim)
 
 
 @dataclass
@@ -271,6 +279,12 @@ class KVSegment:
             the segment then *is* causal attention over the sequence, and the seam takes the
             causal kernel (set by :class:`IdentityCompressor` and :class:`RecordingCompressor`; any
             step that changes the entries must leave it False).
+        latent: the values are the keys' first ``D_v`` features (MLA's latent ``[c_kv ‖ k_pe]``
+            with ``values = c_kv``), so the segment is stored once (:func:`segment_kv_bytes`
+            counts the keys only, a decoding cache keeps no second copy). Set by
+            :func:`identity_segment` on a latent input and kept by every step that changes a
+            latent's entries without pulling K and V apart (UniCache's merge and quantization);
+            False whenever K and V may differ (both are then stored and counted).
     """
 
     keys: torch.Tensor
@@ -285,6 +299,7 @@ class KVSegment:
     quant: QuantizedKV | None = None
     lowrank: LowRankKV | None = None
     identity: bool = False
+    latent: bool = False
 
 
 @runtime_checkable
@@ -304,6 +319,7 @@ def identity_segment(
     head_groups: torch.Tensor | None = None,
     with_assignment: bool = False,
     identity: bool = False,
+    latent: bool | None = None,
 ) -> KVSegment:
     """Every context token as its own entry (rate 0 on the token axis).
 
@@ -317,6 +333,8 @@ def identity_segment(
         identity: mark the segment as the untouched context, so the seam takes the causal
             kernel (only when ``keys``/``values`` are the input's and nothing changes them
             later).
+        latent: the values are the keys' first features (:attr:`KVSegment.latent`); default:
+            a latent input (``inp.latent``) whose ``keys``/``values`` are the input's own.
 
     Returns:
         :class:`KVSegment` whose ``keys``/``values`` are the given tensors themselves (no copy),
@@ -324,6 +342,8 @@ def identity_segment(
     """
     keys = inp.keys if keys is None else keys
     values = inp.values if values is None else values
+    if latent is None:
+        latent = inp.latent and keys is inp.keys and values is inp.values
     assignment = None
     if with_assignment:
         t = torch.arange(inp.positions.shape[1], device=inp.positions.device)
@@ -338,6 +358,7 @@ def identity_segment(
         head_groups=head_groups,
         assignment=assignment,
         identity=identity,
+        latent=latent,
     )
 
 
@@ -527,7 +548,8 @@ def stored_kv_bytes(
         quant: the packed storage, if quantized.
         lowrank: the low-rank factors, if any (they carry their own widths).
         latent: the values are the keys' first ``D_v`` features and are not stored again (MLA's
-            untouched latent cache); K and V changed apart are both stored.
+            latent cache, :attr:`KVSegment.latent`); K and V changed apart are both stored.
+            Packed storage says it itself (:attr:`QuantizedKV.latent`: one payload and scale).
         dtype_bytes: bytes per floating element.
 
     Returns:
@@ -541,7 +563,7 @@ def stored_kv_bytes(
         return g * n * kv_width(key_dim, value_dim, latent) * dtype_bytes
     total = torch.zeros_like(n)
     pairs = [(quant.k_data, quant.k_scale)]
-    if not latent:
+    if not quant.latent:  # values quantized apart: their own payload and scales
         pairs.append((quant.v_data, quant.v_scale))
     for data, scale in pairs:
         payload = data.shape[-1] * data.element_size()  # bytes per stored vector
@@ -553,14 +575,19 @@ def stored_kv_bytes(
 
 
 def segment_kv_bytes(
-    segment: KVSegment, dtype_bytes: int = 2, *, latent: bool = False
+    segment: KVSegment, dtype_bytes: int = 2, *, latent: bool | None = None
 ) -> torch.Tensor:
     """:func:`stored_kv_bytes` of a seam segment (one copy per head group).
+
+    ``latent`` (default: the segment's own :attr:`KVSegment.latent`) counts the keys only: the
+    values are their first features and are not stored again.
 
     Returns:
         [B] float64.
     """
     B, H = segment.keys.shape[:2]
+    if latent is None:
+        latent = segment.latent
     if segment.head_groups is not None:
         heads = stored_heads(segment.head_groups)
     else:

@@ -81,7 +81,12 @@ def load_export(export: str | Path, *, compressed: bool, dtype: torch.dtype = to
 
 
 def prompt_kv_bytes(config: Any, prompt_tokens: int, dtype_bytes: int = 2) -> int:
-    """Bytes of an uncompressed K/V cache of ``prompt_tokens`` tokens (all layers, K and V)."""
+    """Bytes of an uncompressed K/V cache of ``prompt_tokens`` tokens (all layers, K and V; an
+    MLA model's latent ``c_kv ‖ k_pe`` once, as ``model.attention.kv_bytes_per_token``)."""
+    kind = getattr(config, "attention_type", None)  # ours; HF MLA configs carry kv_lora_rank
+    if kind == "mla" or (kind is None and getattr(config, "kv_lora_rank", None)):
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        return config.num_hidden_layers * width * dtype_bytes * prompt_tokens
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return 2 * config.num_hidden_layers * heads * head_dim * dtype_bytes * prompt_tokens

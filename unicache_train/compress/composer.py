@@ -349,11 +349,10 @@ def segment_stats(state: CompressionState, cache_dtype_bytes: int = 2) -> dict[s
             kept_m = (valid & (seg.modality_ids == m)).sum()
             stats[f"rate_realized/{name}"] = 1.0 - kept_m / n_m.double()
     # MLA: the uncompressed cache holds the latent [c_kv ‖ k_pe] once, and so does a segment
-    # whose values are still the keys' first features (the identity); merged or quantized apart,
-    # K and V are both stored (model/mla.py).
-    # TODO(issue 18, MLA bytes): keep V = K[..., :R] through merging and quantization of a latent
-    # input, so that a compressed latent segment is stored (and counted) once too.
-    kv = segment_kv_bytes(seg, cache_dtype_bytes, latent=inp.latent and seg.identity).sum()
+    # whose values are still the keys' first features (seg.latent: the identity, and UniCache's
+    # merge and quantization keep V = K[..., :R]); a step that changed K and V apart leaves
+    # seg.latent False, and both are then counted (model/mla.py).
+    kv = segment_kv_bytes(seg, cache_dtype_bytes).sum()
     H, dk, dv = inp.keys.shape[1], inp.keys.shape[-1], inp.values.shape[-1]
     base = uncompressed_kv_bytes(
         n_b, H, dk, dv, latent=inp.latent, dtype_bytes=cache_dtype_bytes

@@ -224,6 +224,7 @@ def merge_tokens(
     scores: torch.Tensor,
     context_mask: torch.Tensor,
     rescale: str = MergeEvictConfig.merge_rescale,
+    latent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fold merged tokens into their targets' entries (differentiable in keys and values).
 
@@ -234,6 +235,10 @@ def merge_tokens(
         context_mask: [B, T] bool.
         rescale: which averages are rescaled to their members' mean norm: ``"k"``, ``"kv"``
             or ``"none"`` (module docstring).
+        latent: MLA's latent (``values`` are ``keys[..., :Dv]``, ``[c_kv ‖ k_pe]``): the latent
+            is merged once and the returned values are the merged keys' first ``Dv`` features.
+            Its ``c_kv`` part is also the values, so it is rescaled only under ``"kv"``; the
+            key-only ``k_pe`` part under ``"k"`` and ``"kv"``.
 
     Returns:
         (keys, values, counts): [B, H, T, D] with every kept token's entry at its own index
@@ -272,6 +277,10 @@ def merge_tokens(
 
     # NOTE: K and V use the same plan and weights (UniCache article §6.2: merging K but not V breaks
     # the pairing of keys and values); only the norm rescale differs between them.
+    if latent:  # one latent: V = K[..., :Dv] stays true (the values are stored once)
+        c, pe = keys.split([values.shape[-1], keys.shape[-1] - values.shape[-1]], dim=-1)
+        k = torch.cat([fold(c, rescale == "kv"), fold(pe, rescale in ("k", "kv"))], dim=-1)
+        return k, k[..., : values.shape[-1]], counts[:, :T]
     k = fold(keys, rescale in ("k", "kv"))
     v = fold(values, rescale == "kv")
     return k, v, counts[:, :T]
@@ -350,10 +359,16 @@ class MergeEvict(MergeEvictConfig):
             self.merge_threshold,
             self.evict_threshold,
         )
+        # MLA: the untouched latent input (values = keys[..., :R]) stays one latent.
+        inp = state.inp
+        latent = inp.latent and state.keys is inp.keys and state.values is inp.values
         k, v, counts = merge_tokens(
-            state.keys, state.values, plan, scores, mask, rescale=self.merge_rescale
-        )
+            state.keys, state.values, plan, scores, mask, rescale=self.merge_rescale,
+            latent=latent,
+        )  # fmt: skip
         seg = gather_segment(k, v, counts, plan, state.inp.positions, state.modality_ids)
+        if latent:
+            seg.values, seg.latent = seg.keys[..., : v.shape[-1]], True
         seg.head_groups = state.head_groups
         state.plan = plan
         state.segment = seg

@@ -84,7 +84,10 @@ def quantize_symmetric(
 class Quantize(QuantizeConfig):
     """Pipeline step (last): quantize the segment's K and V, attach the packed storage.
 
-    Makes the identity segment first when no earlier step emitted one.
+    Makes the identity segment first when no earlier step emitted one. An MLA latent segment
+    (:attr:`~unicache_train.seam.KVSegment.latent`: values = the keys' first features) is
+    quantized once, one scale per latent vector ``[c_kv ‖ k_pe]``, and its values stay the
+    dequantized keys' first features (:attr:`~unicache_train.seam.QuantizedKV.latent`).
     """
 
     stage: ClassVar[int] = 7
@@ -96,7 +99,15 @@ class Quantize(QuantizeConfig):
         seg = state.segment if state.segment is not None else state.identity_segment()
         sdt = _DTYPES[self.scale_dtype]
         bits = int(self.bits)  # type: ignore[arg-type]
+        dv = seg.values.shape[-1]
         seg.keys, kq, ks = quantize_symmetric(seg.keys, seg.valid, bits, self.granularity, sdt)
+        if seg.latent:  # MLA: quantize the latent once; the values are its first features
+            kq = pack_int4(kq) if bits == 4 else kq
+            seg.values = seg.keys[..., :dv]
+            seg.quant = QuantizedKV(bits, self.granularity, kq, kq, ks, ks, seg.keys.shape[-1],
+                                    dv, latent=True)  # fmt: skip
+            state.segment = seg
+            return state
         seg.values, vq, vs = quantize_symmetric(seg.values, seg.valid, bits, self.granularity, sdt)
         if bits == 4:
             kq, vq = pack_int4(kq), pack_int4(vq)

@@ -85,7 +85,6 @@ def run_recall(
     from unicache_train.model.generate import prefill_compressed
 
     device = next(model.parameters()).device
-    head_dim = model.config.head_size
     out = RecallResult()
     starts = range(0, len(records), batch_size)
     if progress:
@@ -105,7 +104,7 @@ def run_recall(
         split = torch.tensor([len(c) for c in ctx], device=device)
         cache, _ = prefill_compressed(model, ids.to(device), split, compressor)
         out.kv_bytes += cache.kv_bytes()
-        out.baseline_bytes += cache.baseline_bytes(head_dim)
+        out.baseline_bytes += cache.baseline_bytes()  # widths from the segments (MLA: latent)
         qlen = [len(q) for q in qs]
         answers: list[list[int]] = [[] for _ in range(B)]
         prev = torch.zeros(B, dtype=torch.long, device=device)

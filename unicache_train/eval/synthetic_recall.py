@@ -73,7 +73,6 @@ def recall_accuracy(
     device = next(model.parameters()).device
     preds: list[str] = []
     kv, base = 0, 0
-    hd = model.config.head_size
     for start in range(0, len(records), batch_size):
         chunk = records[start : start + batch_size]
         prompts = [tokenizer.encode(r["prompt"], add_bos=True) for r in chunk]
@@ -93,6 +92,6 @@ def recall_accuracy(
         )
         preds += [tokenizer.decode(row.tolist()) for row in gen.tokens]
         kv += gen.cache.kv_bytes()
-        base += gen.cache.baseline_bytes(hd)
+        base += gen.cache.baseline_bytes()  # widths from the segments (MLA: latent)
     acc = score_recall(preds, [r["answer"] for r in records])
     return acc, base / kv if kv else float("nan"), preds

@@ -318,7 +318,7 @@ def answer_accuracy(
                     sums[key] = sums.get(key, 0.0) + float(stats[key]) * w
                     counts[key] = counts.get(key, 0.0) + w
         kv += gen.cache.kv_bytes()
-        base += gen.cache.baseline_bytes(model.config.head_size)
+        base += gen.cache.baseline_bytes()  # widths from the segments (MLA: latent)
     out: dict[str, Any] = {}
     for task, (h, n) in hits.items():
         out[f"acc/{task}"] = h / n if n else float("nan")

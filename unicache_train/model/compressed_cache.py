@@ -20,6 +20,14 @@ A :class:`StoredSegment` is built from the :class:`~unicache_train.seam.KVSegmen
 returned at the seam during the prefill (:func:`unicache_train.model.generate.prefill_compressed`);
 it keeps what a deployed cache would hold: the packed storage, one copy per head group, the
 factors of a low-rank (xKV) segment.
+
+MLA (``CompressedKVCache(latent=True)``, :mod:`unicache_train.model.mla`): one "KV head" holding
+the latent ``[c_kv ‖ k_pe]`` [B, 1, ., R + Dr]; the values are its first ``R`` features. A latent
+segment (UniCache merge/evict + quantization, xKV) is stored once (packed once, or the keys'
+factors only) and the decoded tokens' latents once; :meth:`CompressedKVCache.update` hands MLA's
+absorbed attention ``keys [B, 1, M + S, R + Dr]`` and ``values = keys[..., :R]``. Bytes: a latent
+segment counts ``R + Dr`` elements per entry (plus scales), the uncompressed baseline
+``(R + Dr) x 2`` bytes per token per layer.
 """
 
 from __future__ import annotations
@@ -60,6 +68,9 @@ class StoredSegment:
             (keys factorised before RoPE are rotated at ``positions``).
         positions: [B, M] entry positions (read by ``lowrank`` pre-RoPE keys and by a sliding
             window).
+        latent: the values are the keys' first ``value_dim`` features (MLA's latent, stored
+            once: ``values`` is a view of ``keys``, packed storage holds one payload).
+        key_dim, value_dim: ``D_k``, ``D_v`` of the attention view (the byte baseline's widths).
     """
 
     head_map: torch.Tensor
@@ -72,12 +83,17 @@ class StoredSegment:
     context_tokens: torch.Tensor
     lowrank: LowRankKV | None = None
     positions: torch.Tensor | None = None
+    latent: bool = False
+    key_dim: int = 0
+    value_dim: int = 0
 
     @classmethod
     def from_segment(cls, seg: KVSegment, context_tokens: torch.Tensor) -> StoredSegment:
         """Keep one copy per head group (plus a head -> slot map); packed storage as is; the
-        factors of a low-rank (xKV) segment instead of its reconstruction."""
+        factors of a low-rank (xKV) segment instead of its reconstruction; a latent segment
+        (:attr:`KVSegment.latent`, or low-rank factors of the keys only) once."""
         B, Hk = seg.keys.shape[:2]
+        dk, dv = seg.keys.shape[-1], seg.values.shape[-1]
         if seg.lowrank is not None:
             return cls(
                 head_map=torch.arange(Hk, device=seg.keys.device).expand(B, Hk),
@@ -90,6 +106,9 @@ class StoredSegment:
                 context_tokens=context_tokens,
                 lowrank=seg.lowrank.detach(),
                 positions=seg.positions,
+                latent=seg.latent or seg.lowrank.token_v is None,
+                key_dim=dk,
+                value_dim=dv,
             )
         if seg.head_groups is None:
             head_map = torch.arange(Hk, device=seg.keys.device).expand(B, Hk)
@@ -112,16 +131,15 @@ class StoredSegment:
         quant = keys = values = None
         if seg.quant is not None:
             q = seg.quant
+            k_data, k_scale = take(q.k_data), take(q.k_scale)
+            v_data, v_scale = (k_data, k_scale) if q.latent else (take(q.v_data), take(q.v_scale))
             quant = QuantizedKV(
-                q.bits,
-                q.granularity,
-                take(q.k_data),
-                take(q.v_data),
-                take(q.k_scale),
-                take(q.v_scale),
-                q.head_dim,
-                q.value_dim,
-            )
+                q.bits, q.granularity, k_data, v_data, k_scale, v_scale, q.head_dim, q.value_dim,
+                latent=q.latent,
+            )  # fmt: skip
+        elif seg.latent:  # MLA: one latent; the values are a view of its first features
+            keys = take(seg.keys.detach())
+            values = keys[..., :dv]
         else:
             keys, values = take(seg.keys.detach()), take(seg.values.detach())
         return cls(
@@ -133,6 +151,9 @@ class StoredSegment:
             counts=seg.counts.detach(),
             valid=seg.valid,
             context_tokens=context_tokens,
+            latent=seg.latent,
+            key_dim=dk,
+            value_dim=dv,
         )
 
     def kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +194,7 @@ class StoredSegment:
     def payload_bytes(self, cache_dtype_bytes: int = 2) -> int:
         """K/V bytes (:func:`unicache_train.seam.stored_kv_bytes`, as the compressor's own
         ``kv_bytes`` stat counts them): valid entries x stored heads x (payload + scales), for
-        K and for V; the factors of a low-rank segment."""
+        K and for V (a latent segment: once); the factors of a low-rank segment."""
         if self.quant is not None:
             dk, dv = self.quant.head_dim, self.quant.value_dim or self.quant.head_dim
         elif self.keys is not None and self.values is not None:
@@ -182,7 +203,7 @@ class StoredSegment:
             dk = dv = 0  # low-rank: the factors carry their widths
         stored = stored_kv_bytes(
             self.valid, self.groups, dk, dv, quant=self.quant, lowrank=self.lowrank,
-            dtype_bytes=cache_dtype_bytes,
+            latent=self.latent, dtype_bytes=cache_dtype_bytes,
         )  # fmt: skip
         return int(stored.sum().item())
 
@@ -196,16 +217,30 @@ class StoredSegment:
         return counts + (self.head_map.numel() if merged_heads else 0)
 
     def baseline_bytes(
-        self, head_dim: int, value_dim: int, cache_dtype_bytes: int = 2, window: int | None = None
+        self,
+        head_dim: int | None = None,
+        value_dim: int | None = None,
+        cache_dtype_bytes: int = 2,
+        window: int | None = None,
+        latent: bool = False,
     ) -> int:
         """The uncompressed 16-bit cache of the same context
         (:func:`unicache_train.seam.uncompressed_kv_bytes`); with a sliding ``window``, the
-        ``window - 1`` context tokens such a cache holds at most (not bytes it never stores)."""
+        ``window - 1`` context tokens such a cache holds at most (not bytes it never stores).
+
+        Args:
+            head_dim, value_dim: the widths (default: this segment's ``key_dim``/``value_dim``).
+            latent: MLA's latent cache (``head_dim`` elements per token, stored once).
+        """
         Hk = self.head_map.shape[1]
+        dk = self.key_dim if head_dim is None else head_dim
+        dv = (self.value_dim if head_dim is None else head_dim) if value_dim is None else value_dim
+        if dk <= 0:
+            raise ValueError("baseline_bytes: pass head_dim (this segment does not know its width)")
         held = self.context_tokens if window is None else self.context_tokens.clamp(max=window - 1)
         tokens = int(held.sum())
         return int(
-            uncompressed_kv_bytes(tokens, Hk, head_dim, value_dim, dtype_bytes=cache_dtype_bytes)
+            uncompressed_kv_bytes(tokens, Hk, dk, dv, latent=latent, dtype_bytes=cache_dtype_bytes)
         )
 
 
@@ -223,22 +258,38 @@ class CompressedKVCache(KVCache):
         windows: per layer, the sliding window in tokens or None (default: no windows). The
             decoded queries of sample ``b`` are at positions ``context_tokens[b] + n`` (the
             prefill's positions continue), which the window compares with entry positions.
+        latent: an MLA model's cache (:mod:`unicache_train.model.mla`): one latent head
+            ``[c_kv ‖ k_pe]``, decoded latents held once (``values`` unused), the values handed
+            to attention are the keys' first ``R`` features, and the baseline is the
+            uncompressed latent cache. No sliding windows (MLA has none).
     """
 
     def __init__(
-        self, num_layers: int, cache_dtype_bytes: int = 2, windows: list[int | None] | None = None
+        self,
+        num_layers: int,
+        cache_dtype_bytes: int = 2,
+        windows: list[int | None] | None = None,
+        latent: bool = False,
     ) -> None:
         super().__init__(num_layers)
+        self.latent = latent
         self.segments: list[StoredSegment | None] = [None] * num_layers
         self.cache_dtype_bytes = cache_dtype_bytes
         self.stats: list[dict[str, torch.Tensor]] = []
         self.windows: list[int | None] = [None] * num_layers if windows is None else list(windows)
         if len(self.windows) != num_layers:
             raise ValueError(f"windows has {len(self.windows)} entries for {num_layers} layers")
+        if latent and any(w is not None for w in self.windows):
+            raise ValueError("a latent (MLA) compressed cache has no sliding windows")
         #: Decoded tokens dropped from the front of a windowed layer (out of every window).
         self.dropped: list[int] = [0] * num_layers
 
     def set_segment(self, layer_idx: int, segment: StoredSegment) -> None:
+        if self.latent and segment.head_map.shape[1] != 1:
+            raise ValueError(
+                f"layer {layer_idx}: a latent (MLA) cache stores one latent head, got a segment "
+                f"with {segment.head_map.shape[1]} KV heads"
+            )
         if self.windows[layer_idx] is not None and segment.positions is None:
             raise ValueError(
                 f"layer {layer_idx} has a sliding window: its segment needs entry positions"
@@ -264,7 +315,18 @@ class CompressedKVCache(KVCache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k/v [B, Hk, T, D]; return [segment ; held decoded] keys/values
         [B, Hk, M + S, D]. A windowed layer first drops the decoded tokens that the next query
-        (decoded index ``n``) cannot see: those before ``n - W + 1``."""
+        (decoded index ``n``) cannot see: those before ``n - W + 1``.
+
+        Latent cache (MLA): ``k`` is the new latents ``[c_kv ‖ k_pe]`` [B, 1, T, R + Dr] and
+        ``v`` their ``c_kv`` [B, 1, T, R]; only ``k`` is held, and the decoded values are the
+        held keys' first ``R`` features (the segment's are its own: the keys' first features
+        for a latent segment, whatever a compressor that pulled K and V apart stored else)."""
+        if self.latent:
+            held = self.keys[layer_idx]
+            self.keys[layer_idx] = k_dec = k if held is None else torch.cat([held, k], 2)
+            k_seg, v_seg = self._segment(layer_idx).kv(k.dtype)  # [B, 1, M, R + Dr], [.., R]
+            return (torch.cat([k_seg, k_dec], 2),
+                    torch.cat([v_seg, k_dec[..., : v.shape[-1]]], 2))  # fmt: skip
         W = self.windows[layer_idx]
         held = self.keys[layer_idx]
         if W is not None and held is not None:
@@ -303,7 +365,8 @@ class CompressedKVCache(KVCache):
             dec_ok = dec_ok & (m[None, :] > n[:, None] - W)
         seg_bias = count_bias(seg.counts, dtype)[:, None, :]  # [B, 1, M]
         seg_part = torch.where(seg_ok, seg_bias, neg)  # [B, T, M]
-        dec_part = torch.where(dec_ok, 0.0, neg).to(dtype).expand(B, T, S)
+        zero = torch.zeros((), dtype=dtype, device=device)  # (a float64 min overflows fp32)
+        dec_part = torch.where(dec_ok, zero, neg).expand(B, T, S)
         return torch.cat([seg_part.to(dtype), dec_part], dim=-1)[:, None]
 
     # ----------------------------------------------------------------------------- bytes
@@ -317,26 +380,28 @@ class CompressedKVCache(KVCache):
                 total += seg.metadata_bytes() if include_metadata else 0
         return total
 
-    def baseline_bytes(self, head_dim: int, value_dim: int | None = None) -> int:
+    def baseline_bytes(self, head_dim: int | None = None, value_dim: int | None = None) -> int:
         """Bytes of the uncompressed 16-bit context cache, all layers (a windowed layer: the
-        window's context tokens, what an uncompressed windowed cache holds)."""
-        vd = head_dim if value_dim is None else value_dim
+        window's context tokens, what an uncompressed windowed cache holds; a latent cache:
+        ``R + Dr`` elements per token per layer, :func:`~unicache_train.model.attention.
+        kv_bytes_per_token`).
+
+        Args:
+            head_dim, value_dim: ``D_k``, ``D_v`` (MLA: ``R + Dr``, ``R``); default: the widths
+                each stored segment was built with (``value_dim`` defaults to ``head_dim``
+                when only that is given).
+        """
         return sum(
-            seg.baseline_bytes(head_dim, vd, self.cache_dtype_bytes, window)
+            seg.baseline_bytes(head_dim, value_dim, self.cache_dtype_bytes, window, self.latent)
             for seg, window in zip(self.segments, self.windows)
             if seg is not None
         )
 
     def decoded_bytes(self) -> int:
-        """Decoded tokens' K/V at the cache dtype (they are not compressed)."""
-        return (
-            sum(
-                k.numel() + v.numel()
-                for k, v in zip(self.keys, self.values)
-                if k is not None and v is not None
-            )
-            * self.cache_dtype_bytes
-        )
+        """Decoded tokens' K/V at the cache dtype (they are not compressed; a latent cache
+        holds each decoded latent once)."""
+        held = [t for t in (*self.keys, *self.values) if t is not None]
+        return sum(t.numel() for t in held) * self.cache_dtype_bytes
 
     def nbytes(self) -> int:
         """Everything the cache holds: compressed context with metadata + decoded tokens."""

@@ -24,6 +24,13 @@ last ``W - 1`` context tokens, unchanged, and decoding slides over them and over
 tokens (:class:`~unicache_train.model.compressed_cache.CompressedKVCache`). Ragged prompts of a
 batch are right padded to the longest; padding lies after each sample's split, so causal
 attention and the compressor (which only reads context tokens) never see it.
+
+MLA models (:mod:`unicache_train.model.mla`) decode the same way on a compressed *latent* cache
+(``CompressedKVCache(latent=True)``): the seam hands the compressor ``[c_kv ‖ k_pe]`` as one KV
+head, the stored segment is that latent (merged, quantized once, or xKV factors of the keys
+only: the values are its first ``R`` features), and decode steps attend in the absorbed form over
+``[segment (+ log count) ; decoded latents]``. :func:`kv_bytes_report` compares its bytes with
+the uncompressed latent cache and, for a converted model, with the source GQA cache.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from unicache_train.config import ModelConfig
+from unicache_train.model.attention import kv_bytes_per_token
 from unicache_train.model.compressed_cache import CompressedKVCache, StoredSegment
 from unicache_train.model.decoder import Decoder
 from unicache_train.seam import KVCompressor, RecordingCompressor
@@ -41,6 +50,8 @@ __all__ = [
     "prefill_compressed",
     "decode_teacher_forced",
     "generate_compressed",
+    "KVBytesReport",
+    "kv_bytes_report",
 ]
 
 
@@ -48,14 +59,6 @@ def _as_split(split: int | torch.Tensor, B: int, device: torch.device) -> torch.
     if isinstance(split, int):
         return torch.full((B,), split, dtype=torch.long, device=device)
     return split.to(device=device, dtype=torch.long)
-
-
-def _check_model(model: Decoder) -> None:
-    if model.config.attention_type == "mla":
-        raise NotImplementedError(
-            "compressed decoding of the MLA latent cache is not implemented; evaluate MLA models "
-            "with the in-loop forward (model(ids, split=..., compressor=...))"
-        )
 
 
 @torch.no_grad()
@@ -72,7 +75,8 @@ def prefill_compressed(
     """Prefill the prompts ``input_ids[b, :split[b]]`` and compress every layer's cache.
 
     Args:
-        model: a GQA :class:`~unicache_train.model.Decoder`.
+        model: a :class:`~unicache_train.model.Decoder`, GQA or MLA (the cache is then the
+            compressed latent ``[c_kv ‖ k_pe]``, ``CompressedKVCache(latent=True)``).
         input_ids: [B, P] token ids; only ``[0, split[b])`` of each row is read (the rest may be
             padding or the continuation).
         split: prompt length per sample, an int or [B] (each in ``[1, P]``).
@@ -87,7 +91,6 @@ def prefill_compressed(
     Returns:
         (cache, logits [B, V] of each prompt's last token, i.e. the first generated token's).
     """
-    _check_model(model)
     B = input_ids.shape[0]
     split_t = _as_split(split, B, input_ids.device)
     if int(split_t.min()) < 1 or int(split_t.max()) > input_ids.shape[1]:
@@ -110,7 +113,8 @@ def prefill_compressed(
         out = model(ids, modality_ids=mods, split=split_t, compressor=capture, logits_at=last_pos)
     L = model.config.num_hidden_layers
     windows = [model.config.layer_window(i) for i in range(L)]
-    cache = CompressedKVCache(L, cache_dtype_bytes, windows=windows)
+    latent = model.config.attention_type == "mla"
+    cache = CompressedKVCache(L, cache_dtype_bytes, windows=windows, latent=latent)
     for layer_idx, seg in capture.segments.items():
         if capture.pre_rope and seg.quant is not None:
             raise NotImplementedError(
@@ -203,7 +207,7 @@ def generate_compressed(
     """Greedy decoding after the prompts ``input_ids[b, :split[b]]``, on the compressed cache.
 
     Args:
-        model: a GQA decoder (eval mode is the caller's business; no dropout here anyway).
+        model: a GQA or MLA decoder (eval mode is the caller's business; no dropout here).
         input_ids: [B, P] right-padded prompts.
         split: prompt lengths, int or [B].
         compressor: the KV compressor.
@@ -235,3 +239,86 @@ def generate_compressed(
             break
         logits = _decode(model, cache, nxt[:, None], (split_t + i)[:, None])[:, 0]
     return CompressedGeneration(tokens=torch.stack(out, 1), cache=cache)
+
+
+@dataclass
+class KVBytesReport:
+    """Bytes of a compressed context cache against uncompressed 16-bit caches of the same prompts.
+
+    Attributes:
+        kv_bytes: what the compressed cache stores for the prompts, all layers (packed
+            payload + scales, or xKV factors; with merge counts and head maps when
+            ``include_metadata``); decoded tokens are not included.
+        baseline_bytes: this model's uncompressed cache of the same prompts (MLA: the latent
+            ``R + Dr`` elements per token per layer).
+        source_bytes: the uncompressed cache of the ``source`` model the report was asked to
+            compare with (e.g. the GQA model an MLA model was converted from), else None.
+    """
+
+    kv_bytes: int
+    baseline_bytes: int
+    source_bytes: int | None = None
+
+    @property
+    def reduction(self) -> float:
+        """``baseline_bytes / kv_bytes`` (``4.0``: 4x fewer KV bytes than uncompressed)."""
+        return self.baseline_bytes / self.kv_bytes if self.kv_bytes else float("nan")
+
+    @property
+    def reduction_vs_source(self) -> float | None:
+        """``source_bytes / kv_bytes``, or None without a source."""
+        if self.source_bytes is None:
+            return None
+        return self.source_bytes / self.kv_bytes if self.kv_bytes else float("nan")
+
+    def __str__(self) -> str:
+        text = (f"compressed KV cache {self.kv_bytes:,} bytes; uncompressed {self.baseline_bytes:,}"
+                f" ({self.reduction:.2f}x fewer)")  # fmt: skip
+        if self.source_bytes is not None:
+            ratio = self.reduction_vs_source
+            text += f"; source model's cache {self.source_bytes:,} ({ratio:.2f}x fewer)"
+        return text
+
+
+def kv_bytes_report(
+    cache: CompressedKVCache,
+    source: ModelConfig | None = None,
+    *,
+    include_metadata: bool = True,
+) -> KVBytesReport:
+    """How many KV bytes a prefilled compressed cache stores, against uncompressed caches.
+
+    E.g. an MLA model converted from a GQA one (:func:`~unicache_train.model.convert_mla.
+    convert_to_mla`) and compressed with UniCache::
+
+        cache, _ = prefill_compressed(mla_model, ids, split, compressor)
+        report = kv_bytes_report(cache, source=gqa_model.config)
+        report.reduction_vs_source  # GQA 16-bit K/V bytes / stored latent bytes
+
+    Args:
+        cache: from :func:`prefill_compressed` (or ``generate_compressed(...).cache``).
+        source: a model config whose uncompressed 16-bit cache of the same prompts is reported
+            as ``source_bytes`` (:func:`~unicache_train.model.attention.kv_bytes_per_token` per
+            layer; a sliding-window layer holds at most ``W - 1`` context tokens).
+        include_metadata: count merge counts and head maps (what a decoding cache must keep).
+
+    Returns:
+        :class:`KVBytesReport`.
+    """
+    segs = [seg for seg in cache.segments if seg is not None]
+    if not segs:
+        raise ValueError("kv_bytes_report: the cache holds no compressed segment; prefill first")
+    source_bytes = None
+    if source is not None:
+        ctx = segs[0].context_tokens  # [B] prompt tokens per sample (every layer's)
+        per_token = kv_bytes_per_token(source, cache.cache_dtype_bytes)
+        source_bytes = 0
+        for i in range(source.num_hidden_layers):
+            W = source.layer_window(i)
+            held = ctx if W is None else ctx.clamp(max=W - 1)
+            source_bytes += int(held.sum()) * per_token
+    return KVBytesReport(
+        kv_bytes=cache.kv_bytes(include_metadata=include_metadata),
+        baseline_bytes=cache.baseline_bytes(),
+        source_bytes=source_bytes,
+    )

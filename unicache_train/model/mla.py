@@ -39,9 +39,17 @@ quantisation act on the real cache and their byte accounting is honest; per-head
 merge (one latent head). Continuation queries then attend to the compressed segment in the
 *expanded* form: ``k_nope = W_uk · keys[..., :R]``, ``k_pe = keys[..., R:]``,
 ``v = W_uv · values``, which equals absorbed attention on the segment (it is cheaper to train
-when ``R > Dn``). At deployment ``values`` is ``keys[..., :R]`` (no second copy); a compressor
-that changes ``values`` independently of ``keys`` (e.g. quantising them separately) is simulated
-faithfully here, but its deployed cache must hold both.
+when ``R > Dn``). At deployment ``values`` is ``keys[..., :R]`` (no second copy): UniCache's
+merge/evict and quantization keep it so (the latent is merged once and quantized once,
+``KVSegment.latent``), as xKV does (it factorises the keys only); a compressor that changes
+``values`` independently of ``keys`` is simulated faithfully here, but its deployed cache holds
+(and its byte count counts) both.
+
+**Decoding on a compressed latent cache** (:mod:`unicache_train.model.generate`): the prefill's
+segment is stored as the latent (``CompressedKVCache(latent=True)``); each decode step appends
+its ``[c_kv ‖ k_pe]`` once and attends in the absorbed form to ``[segment (+ log count) ;
+decoded latents]`` (:meth:`MLAttention._decode_compressed`), equal to the in-loop forward's
+continuation logits (fp32 round-off; ``tests/test_mla_compressed_decoding.py``).
 
 **RoPE scaling** (``ModelConfig.rope_scaling``, :mod:`unicache_train.model.rope`): ``q_pe`` and
 ``k_pe`` use the scaled tables (YaRN's attention factor ``a`` is in cos/sin, so the RoPE part of
@@ -63,6 +71,7 @@ from unicache_train.model.attention import (
     segment_attention_mask,
     segment_attention_mode,
 )
+from unicache_train.model.compressed_cache import CompressedKVCache
 from unicache_train.model.kv_cache import KVCache, LatentKVCache
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import apply_rope, mla_softmax_mscale
@@ -182,7 +191,9 @@ class MLAttention(nn.Module):
             rope: (cos, sin), each [B, T, Dr], for ``positions``.
             positions: [B, T] absolute positions.
             modality_ids: [B, T].
-            cache: a :class:`LatentKVCache` (decoding, absorbed form).
+            cache: a :class:`LatentKVCache`, or a latent
+                :class:`~unicache_train.model.compressed_cache.CompressedKVCache` (decoding on a
+                compressed context, :mod:`unicache_train.model.generate`); absorbed form.
             split: [B] int, first continuation token per sample (seam, with ``compressor``).
             compressor: the KV compressor called at the seam on the latent cache.
             stats: if given, the segment's stats dict is appended (one per layer).
@@ -223,8 +234,10 @@ class MLAttention(nn.Module):
 
         A prefill into an empty cache uses the expanded form (cheaper for long prompts when
         ``R > Dn``, as serving stacks do); every later chunk uses the absorbed form, reading only
-        the latent cache.
+        the latent cache. A compressed cache: see :meth:`_decode_compressed`.
         """
+        if isinstance(cache, CompressedKVCache):
+            return self._decode_compressed(q_nope, q_pe, c_kv, k_pe, cache)
         if not isinstance(cache, LatentKVCache):
             raise TypeError(
                 f"MLA decoding reads a LatentKVCache (c_kv + k_pe), got {type(cache).__name__}; "
@@ -243,6 +256,28 @@ class MLAttention(nn.Module):
             qi = torch.arange(T, device=c_kv.device)[:, None] + past
             mask = torch.arange(S, device=c_kv.device)[None, :] <= qi  # [T, S]
         return self.attend_absorbed(q_nope, q_pe, torch.cat([c_all, pe_all], dim=-1), c_all, mask)
+
+    def _decode_compressed(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache: CompressedKVCache,
+    ) -> torch.Tensor:
+        """Decode on a compressed latent cache: the new latents join the decoded ones, and the
+        queries attend (absorbed form) to ``[stored segment (+ log count) ; decoded latents]``,
+        which is what the seam's continuation queries attend to in the in-loop forward
+        (``_attend_segment``, expanded form; equal to fp32 round-off). Returns [B, H, T, Dv]."""
+        if not cache.latent:
+            raise TypeError(
+                "MLA decoding on a compressed cache needs a latent one (c_kv ‖ k_pe): build it "
+                "with CompressedKVCache(num_layers, latent=True), as "
+                "unicache_train.model.generate.prefill_compressed does for an MLA model"
+            )
+        keys, values = cache.update(self.layer_idx, torch.cat([c_kv, k_pe], dim=-1), c_kv)
+        bias = cache.attention_bias(self.layer_idx, q_nope.shape[2], q_nope.dtype)  # [B,1,T,M+S]
+        return self.attend_absorbed(q_nope, q_pe, keys, values, bias)
 
     def attend_absorbed(
         self,
