@@ -64,8 +64,11 @@ CASES = {
 
 
 # ------------------------------------------------------------------ in-loop == step by step
-@pytest.mark.parametrize("case", list(CASES))
-def test_teacher_forced_decoding_equals_inloop_forward(case: str) -> None:
+@pytest.mark.parametrize("case", list(CASES) + ["unicache_0.6_int8@batched"])
+def test_teacher_forced_decoding_equals_inloop_forward(case: str, monkeypatch) -> None:
+    if case.endswith("@batched"):  # the seam's GPU kernel (one masked SDPA call), here on CPU
+        monkeypatch.setattr("unicache_train.model.attention.SEGMENT_ATTENTION", "batched")
+        case = case.split("@")[0]
     model = mla_model()
     ids = torch.randint(0, VOCAB, (2, 44))
     split = torch.tensor([29, 18])  # ragged: each sample decodes from its own split
