@@ -122,9 +122,9 @@ def mods_densely(q, k, v, seg_k, seg_v, segment, split, scale=None, softcap=None
 CASES = {
     # name: (make_case kwargs, scale, softcap)
     "gqa": ({}, None, None),
-    "mha_scale": (dict(H=2, Hk=2), 0.3, None),
+    # MHA, a softmax scale, value head != query head (MLA's shapes)
+    "mha_scale_dv": (dict(H=2, Hk=2, Dv=6), 0.3, None),
     "softcap": ({}, None, 2.0),
-    "gqa_dv_ne_dq": (dict(Dv=6), None, None),  # MLA's shapes (value head != query head)
     "long_ragged": (dict(T=301, M=140, splits=(129, 300, 7, 256)), None, None),
 }
 
@@ -241,15 +241,14 @@ def test_segment_attention_mode(monkeypatch) -> None:
         segment_attention_mode(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("softcap", [None, 3.0])
-def test_model_seam_flex_equals_batched(softcap, monkeypatch) -> None:
+def test_model_seam_flex_equals_batched(monkeypatch) -> None:
     """Through the decoder (``Attention._attend_segment``): UniCache in the loop (merged entries,
-    evictions, padding) with ragged splits, GQA, with and without the attention softcap; the
+    evictions, padding) with ragged splits, GQA and the attention softcap (a Gemma option); the
     flex mode's logits = the batched mode's (forward only: no FlexAttention backward on CPU)."""
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         attn_logit_softcapping=softcap)  # fmt: skip
+                         attn_logit_softcapping=3.0)  # fmt: skip
     model = Decoder(config).eval()
     d = text_style_baseline().to_dict()
     d["target_rate"] = 0.6

@@ -616,14 +616,18 @@ def segment_flex_inputs(
     key_valid = torch.cat([valid, valid.new_ones(B, T)], dim=1)
     seg_bias = F.pad(count_bias(segment.counts, dtype).float(), (0, pad))  # [B, Mp]
     key_bias = torch.cat([seg_bias, seg_bias.new_zeros(B, T)], dim=1)
+    # [Mp + T] per key: its token position, -1 on segment entries.
+    # NOTE: the mods read only captured tensors, no Python int (such as Mp): a compiled
+    # FlexAttention guards on a closure's ints and would recompile whenever M changes.
+    key_pos = torch.cat([torch.full((Mp,), -1, device=device), torch.arange(T, device=device)])
     keys = torch.cat([F.pad(seg_k, (0, 0, 0, pad)), k], dim=2)  # [B, Hk, Mp + T, Dq]
     values = torch.cat([F.pad(seg_v, (0, 0, 0, pad)), v], dim=2)  # [B, Hk, Mp + T, Dv]
 
     def mask_mod(b, h, q_idx, kv_idx):
         s = split[b]
-        j = kv_idx - Mp
+        j = key_pos[kv_idx]
         cont = q_idx >= s
-        seg = kv_idx < Mp
+        seg = j < 0
         return (seg & cont & key_valid[b, kv_idx]) | (~seg & (j <= q_idx) & (~cont | (j >= s)))
 
     def score_mod(score, b, h, q_idx, kv_idx):
