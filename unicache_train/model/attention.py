@@ -541,7 +541,8 @@ def segment_attention_mask(
     full_ok = causal[None] & (~is_cont[:, :, None] | key_is_cont[:, None, :])
     neg = torch.finfo(dtype).min
     seg_mask = torch.where(seg_ok, seg_bias[:, None, :], neg)  # [B, T, M]
-    full_mask = torch.where(full_ok, 0.0, neg).to(dtype)  # [B, T, T]
+    # (built in ``dtype``: a float32 intermediate cannot hold float64's min)
+    full_mask = torch.where(full_ok, torch.zeros((), dtype=dtype, device=device), neg)  # [B,T,T]
     return torch.cat([seg_mask, full_mask], dim=-1)[:, None]  # [B, 1, T, M + T]
 
 
