@@ -19,8 +19,9 @@ the dispatch between two backends:
 * ``"triton"``: fused kernels (``unicache_train.kernels.mhc``): each pass reads ``X`` once in its
   own dtype (bf16 stays bf16 in memory) and writes its output once; each backward is one pass
   too (formulas in that module). Per connection the forward reads ``X`` 3 times (plus ``f`` once)
-  instead of the torch path's 4 reads, an fp32 copy of bf16 streams and a ``[M, n, C]``
-  intermediate; not yet measured on a GPU.
+  and writes ``X'`` once, where the torch path reads ``X`` 4 times, passes over ``X'`` twice
+  (GEMM, then the in-place rank-1 update) and, for bf16 streams, also writes an fp32 copy of
+  ``X`` (projection) and an fp32 ``[M, n, C]`` product (collapse). Not yet run on a GPU.
 * ``"auto"``: Triton for CUDA tensors when Triton is importable and ``n <= 16``
   (``kernels.mhc.MAX_N``), else torch (logged once on logger ``unicache_train.ops`` when a CUDA
   tensor falls back).
