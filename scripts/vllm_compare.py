@@ -196,6 +196,54 @@ def pad_mla_state_dict(sd: dict, rank: int, new_rank: int) -> dict:
     return out
 
 
+def pad_mla_rope_state_dict(sd: dict, cfg: dict, new_rope: int) -> tuple[dict, dict]:
+    """Widen a DeepseekV3 export's shared RoPE head from ``Dr`` to ``new_rope`` dims, exactly.
+
+    RoPE frequency ``j`` of a ``Dr``-dim head is ``theta^(-2j / Dr)``; with ``theta' = theta^(
+    new_rope / Dr)`` the first ``Dr / 2`` frequencies of a ``new_rope``-dim head are the same
+    numbers, and the export's interleaved layout keeps pair ``j`` at rows ``(2j, 2j + 1)``. So the
+    ``k_pe`` rows of ``kv_a_proj_with_mqa`` and each head's ``q_pe`` rows of ``q_proj`` /
+    ``q_b_proj`` get ``new_rope - Dr`` zero rows after them (slower frequencies nobody uses), and
+    every query row is scaled by ``sqrt((Dn + new_rope) / (Dn + Dr))`` to undo the softmax
+    scale's change (``(Dn + Dr)^-1/2``). Logits are unchanged up to rounding.
+
+    Returns:
+        (tensors, config) with ``qk_rope_head_dim``, ``rope_theta`` (and ``qk_head_dim``) updated.
+    """
+    import torch
+
+    dr, dn = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"])
+    if new_rope < dr or new_rope % 2:
+        raise ValueError(f"--pad-rope={new_rope} must be even and >= qk_rope_head_dim={dr}")
+    if not cfg.get("rope_interleave", True):
+        raise ValueError("pad-rope expects the interleaved RoPE layout our export writes")
+    rope = cfg.get("rope_parameters") or {}
+    if (cfg.get("rope_scaling") or rope.get("rope_type", "default")) not in (None, "default"):
+        raise ValueError("pad-rope supports default RoPE only (no rope_scaling)")
+    heads, pad = int(cfg["num_attention_heads"]), new_rope - dr
+    gain = ((dn + new_rope) / (dn + dr)) ** 0.5
+    out = dict(sd)
+    for name, w in sd.items():
+        if name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+            out[name] = torch.cat([w, w.new_zeros(pad, w.shape[1])], dim=0)
+        elif name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            q = w.view(heads, dn + dr, w.shape[1])
+            q = torch.cat([q, q.new_zeros(heads, pad, w.shape[1])], dim=1) * gain
+            out[name] = q.reshape(heads * (dn + new_rope), w.shape[1])
+    cfg = dict(cfg)
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta"))) ** (new_rope / dr)
+    if "rope_parameters" in cfg:
+        cfg["rope_parameters"] = {**rope, "rope_theta": theta}
+    if "rope_theta" in cfg:
+        cfg["rope_theta"] = theta
+    cfg["qk_rope_head_dim"] = new_rope
+    if "head_dim" in cfg:  # transformers' DeepseekV3Config: the RoPE head (the rotary's dim)
+        cfg["head_dim"] = new_rope
+    if "qk_head_dim" in cfg:
+        cfg["qk_head_dim"] = dn + new_rope
+    return out, cfg
+
+
 def pad_mla(args) -> None:
     """Copy a DeepseekV3 export with its latent padded (:func:`pad_mla_state_dict`) and, with
     ``--untie``, an explicit ``lm_head.weight`` (vLLM's DeepseekV2/V3 model never ties it)."""
@@ -205,6 +253,8 @@ def pad_mla(args) -> None:
 
     cfg = json.loads((args.src / "config.json").read_text())
     sd = load_file(str(args.src / "model.safetensors"))
+    if args.pad_rope:  # first: the k_pe rows stay the last rows of kv_a_proj_with_mqa
+        sd, cfg = pad_mla_rope_state_dict(sd, cfg, args.pad_rope)
     sd = pad_mla_state_dict(sd, cfg["kv_lora_rank"], args.pad_rank)
     cfg["kv_lora_rank"] = args.pad_rank
     if args.untie:
@@ -217,7 +267,8 @@ def pad_mla(args) -> None:
     (args.out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in sd.items()}, str(args.out / "model.safetensors"),
               metadata={"format": "pt"})  # fmt: skip
-    print(f"wrote {args.out}: kv_lora_rank {args.pad_rank}, tie_word_embeddings "
+    print(f"wrote {args.out}: kv_lora_rank {args.pad_rank}, qk_rope_head_dim "
+          f"{cfg['qk_rope_head_dim']}, tie_word_embeddings "
           f"{cfg['tie_word_embeddings']}")  # fmt: skip
     if args.check:  # transformers: the padded model's logits against the source export's
         import torch
@@ -527,6 +578,8 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--src", type=Path, required=True)
     d.add_argument("--out", type=Path, required=True)
     d.add_argument("--pad-rank", type=int, default=512, help="new kv_lora_rank (default 512)")
+    d.add_argument("--pad-rope", type=int, default=None,
+                   help="new qk_rope_head_dim (e.g. 64; default: unchanged)")  # fmt: skip
     d.add_argument("--untie", action="store_true", help="write lm_head.weight explicitly")
     d.add_argument("--check", action="store_true", help="compare logits in transformers")
     for name, helptext in (("reference", "transformers greedy (project venv)"),

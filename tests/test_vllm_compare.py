@@ -165,6 +165,37 @@ def test_pad_mla_state_dict_keeps_the_logits(vc):
         vc.pad_mla_state_dict(src.state_dict(), 12, 8)
 
 
+def test_pad_mla_rope_keeps_the_logits(vc):
+    """A wider shared RoPE head (zero rows for the extra, slower frequencies, rope_theta raised
+    so the used frequencies stay, queries rescaled for the softmax scale) leaves a DeepseekV3's
+    logits as they were, checked with transformers' own model; then the latent padding on top."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
+        qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=2, kv_lora_rank=12,
+        n_routed_experts=1, n_shared_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1,
+        max_position_embeddings=64, rope_interleave=True, initializer_range=0.2,
+    )  # fmt: skip
+    src_cfg = DeepseekV3Config(qk_rope_head_dim=4, rope_theta=100.0, **kw)
+    src = DeepseekV3ForCausalLM(src_cfg).eval()
+    sd, cfg = vc.pad_mla_rope_state_dict(src.state_dict(), src_cfg.to_dict(), 8)
+    assert cfg["qk_rope_head_dim"] == 8
+    assert (cfg.get("rope_parameters") or cfg)["rope_theta"] == pytest.approx(100.0**2)
+    cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
+    wide = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).eval()
+    wide.load_state_dict(sd, strict=True)
+    ids = torch.tensor([[5, 9, 33, 2, 17, 40, 11, 3, 60, 7]])
+    with torch.no_grad():
+        ref = src(ids).logits
+        torch.testing.assert_close(wide(ids).logits, ref, atol=1e-4, rtol=1e-4)
+        assert (ref - ref.mean()).abs().max() > 0.1  # the logits are not trivially flat
+    with pytest.raises(ValueError, match="even and >= qk_rope_head_dim=4"):
+        vc.pad_mla_rope_state_dict(src.state_dict(), src_cfg.to_dict(), 2)
+
+
 def test_preflight_names_what_vllm_gets_wrong(vc):
     mla = {"model_type": "deepseek_v3", "tie_word_embeddings": True, "kv_lora_rank": 256,
            "qk_rope_head_dim": 64}  # fmt: skip
