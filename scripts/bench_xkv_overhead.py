@@ -11,8 +11,10 @@ Cases (one setup function each):
                      attention, continuation loss): what any in-loop method pays before it
                      compresses anything
   xkv_exact          xKV, gradient "exact": the recording pass (context prefill) with
-                     gradient, per-sample fp32 SVD per group, the in-loop forward on the
+                     gradient, per-sample fp32 basis per group, the in-loop forward on the
                      reconstructions
+  xkv_exact_svd      the same with ``factorization="svd"`` (the default before issue 20 was
+                     the SVD; now the Gram matrix's eigendecomposition, ``"gram"``)
   xkv_causal         xKV, gradient "causal": the recording pass without gradient
   xkv_refresh        xKV "causal" with a pooled basis refreshed every ``--refresh`` steps
                      (no SVD on the other steps)
@@ -21,8 +23,8 @@ Cases (one setup function each):
   plain_kl / xkv_causal_kl / unicache_kl (``--kl``): the same with the KL term; the xKV
                      causal prefill doubles as the KL's uncompressed forward
 
-Also reported: ``svd_ms``, the SVD time per step of the xKV cases (measured by wrapping
-``torch.linalg.svd``) and ``kv_reduction`` of the compressed cases.
+Also reported: ``svd_ms``, the factorisation time per step of the xKV cases (measured by
+wrapping ``torch.linalg.svd``, ``eigh`` and ``qr``) and ``kv_reduction`` of the compressed cases.
 
 Usage:
   OMP_NUM_THREADS=1 python scripts/bench_xkv_overhead.py --threads 1
@@ -57,27 +59,33 @@ from unicache_train.train.module import LMModule, causal_lm_loss
 
 
 class SVDTimer:
-    """Counts the wall time spent in ``torch.linalg.svd`` while active (patched in this script
-    only; the library is not modified)."""
+    """Counts the wall time spent in the basis factorisation while active: ``torch.linalg.svd``,
+    ``eigh`` and ``qr`` (whichever ``XKVConfig.factorization`` calls; patched in this script
+    only, the library is not modified)."""
+
+    NAMES = ("svd", "eigh", "qr")
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._orig = torch.linalg.svd
+        self._orig = {n: getattr(torch.linalg, n) for n in self.NAMES}
 
     def __enter__(self) -> SVDTimer:
-        orig = self._orig
+        def timed(orig):
+            def f(*a, **k):
+                t0 = time.perf_counter()
+                out = orig(*a, **k)
+                self.seconds += time.perf_counter() - t0
+                return out
 
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            out = orig(*a, **k)
-            self.seconds += time.perf_counter() - t0
-            return out
+            return f
 
-        torch.linalg.svd = timed
+        for n, orig in self._orig.items():
+            setattr(torch.linalg, n, timed(orig))
         return self
 
     def __exit__(self, *exc) -> None:
-        torch.linalg.svd = self._orig
+        for n, orig in self._orig.items():
+            setattr(torch.linalg, n, orig)
 
 
 def _plain(name: str, kl: bool) -> Callable:
@@ -132,6 +140,7 @@ def setups(args) -> list[Callable]:
         _plain("plain", False),
         _inloop("inloop_identity", "none"),
         _inloop("xkv_exact", "xkv", gradient="exact"),
+        _inloop("xkv_exact_svd", "xkv", gradient="exact", factorization="svd"),
         _inloop("xkv_causal", "xkv", gradient="causal"),
         _inloop("xkv_refresh", "xkv", gradient="causal", refresh_every=args.refresh),
         _inloop("unicache", "unicache"),

@@ -422,6 +422,12 @@ class XKVConfig(ConfigBase):
             inference). k > 1, training only: the feature-side basis of each group is computed
             from the whole batch (pooled) and reused for the next k - 1 steps; each sample still
             projects its own K/V onto it (a cheaper, slightly worse fit than inference's).
+        factorization: how the basis is computed (:mod:`unicache_train.compress.xkv.factor`):
+            ``"gram"`` (default: eigendecomposition of the smaller Gram matrix, the SVD's basis
+            to fp32 round-off at a third of its time on SmolLM2, README "xKV's
+            factorisation"), ``"svd"`` (``torch.linalg.svd``, the reference) or ``"lowrank"``
+            (randomized range finder of the top ``rank + 10`` directions; needs ``rank_mode``
+            ``"reduction"`` or ``"fraction"``).
         keys_pre_rope: factorise keys before RoPE (xKV; RoPE is applied after reconstruction,
             at each entry's position). False factorises the rotated keys.
         gradient: ``"exact"``: the context prefill runs with gradients, so every path from the
@@ -442,6 +448,7 @@ class XKVConfig(ConfigBase):
     reduction: float = 4.0
     min_rank: int = 1
     refresh_every: int = 1
+    factorization: str = "gram"
     keys_pre_rope: bool = True
     gradient: str = "exact"
     cache_dtype_bytes: int = 2
@@ -461,6 +468,13 @@ class XKVConfig(ConfigBase):
         check_range(self, "reduction", 1.0, 64.0)
         check_int(self, "min_rank", 1, 1 << 16)
         check_int(self, "refresh_every", 1, 1 << 20)
+        check_choice(self, "factorization", ("svd", "gram", "lowrank"))
+        if self.factorization == "lowrank" and self.rank_mode == "energy":
+            raise ConfigError(
+                "XKVConfig.factorization='lowrank' is not allowed with rank_mode='energy' (the "
+                "sketch sees only the top directions, not the whole spectrum); choose "
+                "factorization 'gram' or 'svd', or rank_mode 'reduction' or 'fraction'"
+            )
         check_bool(self, "keys_pre_rope")
         check_choice(self, "gradient", ("exact", "causal"))
         check_int(self, "cache_dtype_bytes", 1, 8)

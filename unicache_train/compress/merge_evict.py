@@ -57,12 +57,20 @@ import torch
 
 from unicache_train.compress.config import MERGE_RESCALE_RULES, MergeEvictConfig
 from unicache_train.compress.grouped import grouped_rank
+from unicache_train.compress.kernels import using_reference_kernels
 from unicache_train.compress.modality import modality_counts
 from unicache_train.compress.neighbours import NeighbourSims
 from unicache_train.compress.state import CompressionState
 from unicache_train.seam import NUM_MODALITIES, KVSegment
 
-__all__ = ["MergeEvict", "TokenPlan", "plan_tokens", "merge_tokens", "gather_segment"]
+__all__ = [
+    "MergeEvict",
+    "TokenPlan",
+    "plan_tokens",
+    "merge_tokens",
+    "gather_segment",
+    "merge_gather_segment",
+]
 
 
 @dataclass
@@ -183,7 +191,10 @@ def plan_tokens(
     # protected tokens, never a token a protected merge lands on. A few refinement rounds
     # (each can strand a replacement whose neighbour was also picked), then restore the rest.
     blocked = torch.zeros_like(mask)
-    for _ in range(_ROUNDS):
+    # NOTE: with no protected token picked (protection off, or none in the quotas) nothing is
+    # restored: the rounds and the stranded check would only recompute the same neighbours.
+    rounds = _ROUNDS if bool((sel & prot).any()) else 0
+    for _ in range(rounds):
         has, tgt = _best_neighbour(neigh, mask & ~sel, merge_threshold)
         restored = sel & prot & ~has
         if not bool(restored.any()):
@@ -199,8 +210,9 @@ def plan_tokens(
         key2 = torch.where(cand_u, key, key + 64.0)  # unprotected replacements first
         rank2 = grouped_rank(key2, mod, cand_u | cand_p, G)
         sel = sel | ((cand_u | cand_p) & (rank2 < modality_counts(mod, restored).gather(1, mod)))
-    has, _ = _best_neighbour(neigh, mask & ~sel, merge_threshold)
-    sel = sel & ~(prot & ~has)  # still stranded: protection wins over the budget
+    if rounds:
+        has, _ = _best_neighbour(neigh, mask & ~sel, merge_threshold)
+        sel = sel & ~(prot & ~has)  # still stranded: protection wins over the budget
 
     kept = mask & ~sel
     has, tgt = _best_neighbour(neigh, kept, merge_threshold)
@@ -215,6 +227,29 @@ def plan_tokens(
         requested=requested,
         shortfall=shortfall,
     )
+
+
+def _merge_weights(
+    plan: TokenPlan, scores: torch.Tensor, context_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The merge's slots and weights (shared by :func:`merge_tokens` and
+    :func:`merge_gather_segment`).
+
+    Returns:
+        slot [B, T] long (each token's entry, ``T`` = the dump slot of evicted and non-context
+        tokens), w [B, T] merge weights ``exp(s - max s)`` (0 outside the context),
+        counts [B, T + 1] tokens per slot, den [B, T + 1] weight per slot.
+    """
+    B, T = context_mask.shape
+    dev = context_mask.device
+    slot = torch.where(plan.target >= 0, plan.target, T)  # [B, T]; T is a dump slot
+    s = scores.detach().float()
+    top = torch.where(context_mask, s, float("-inf")).amax(1, keepdim=True)
+    s = s - torch.where(torch.isfinite(top), top, 0.0)  # stable exp; empty contexts -> 0
+    w = torch.where(context_mask, s.exp(), torch.zeros_like(s))  # [B, T]
+    counts = torch.zeros(B, T + 1, device=dev).scatter_add(1, slot, context_mask.float())
+    den = torch.zeros(B, T + 1, device=dev).scatter_add(1, slot, w)
+    return slot, w, counts, den
 
 
 def merge_tokens(
@@ -250,16 +285,10 @@ def merge_tokens(
             f"{list(MERGE_RESCALE_RULES)}"
         )
     B, H, T, _ = keys.shape
-    slot = torch.where(plan.target >= 0, plan.target, T)  # [B, T]; T is a dump slot
-    s = scores.detach().float()
-    top = torch.where(context_mask, s, float("-inf")).amax(1, keepdim=True)
-    s = s - torch.where(torch.isfinite(top), top, 0.0)  # stable exp; empty contexts -> 0
-    w = torch.where(context_mask, s.exp(), torch.zeros_like(s))  # [B, T]
-    counts = torch.zeros(B, T + 1, device=keys.device).scatter_add(1, slot, context_mask.float())
-    den = torch.zeros(B, T + 1, device=keys.device).scatter_add(1, slot, w)[:, None, :T]
+    slot, w, counts, den = _merge_weights(plan, scores, context_mask)
     many = (counts[:, :T] > 1)[:, None, :, None]  # [B, 1, T, 1] entries that absorbed tokens
 
-    den_ = den.clamp_min(1e-30)  # [B, 1, T]
+    den_ = den[:, None, :T].clamp_min(1e-30)  # [B, 1, T]
 
     def fold(x: torch.Tensor, to_norm: bool) -> torch.Tensor:
         D = x.shape[-1]
@@ -303,26 +332,140 @@ def gather_segment(
     Returns:
         :class:`KVSegment` with M = max entries over the batch and ``assignment`` filled.
     """
-    B, H, T, _ = keys.shape
-    t = torch.arange(T, device=keys.device).expand(B, T)
-    n_keep = plan.kept.sum(1)  # [B]
-    M = int(n_keep.max()) if B else 0
-    order = torch.sort(torch.where(plan.kept, t, T + t), dim=1).indices[:, :M]  # [B, M]
-    valid = torch.arange(M, device=keys.device)[None, :] < n_keep[:, None]  # [B, M]
+    order, valid, assignment = _segment_order(plan)
     vmask = valid[:, None, :, None].to(keys.dtype)
-
-    def take(x: torch.Tensor) -> torch.Tensor:
-        return x.gather(2, order[:, None, :, None].expand(B, H, M, x.shape[-1])) * vmask
-
-    entry_of = torch.full((B, T), -1, dtype=torch.long, device=keys.device)
-    entry_of.scatter_(1, order, torch.where(valid, torch.arange(M, device=keys.device), -1))
-    assignment = torch.where(plan.target >= 0, entry_of.gather(1, plan.target.clamp_min(0)), -1)
     return KVSegment(
-        keys=take(keys),
-        values=take(values),
+        keys=_take(keys, order) * vmask,
+        values=_take(values, order) * vmask,
         positions=positions.gather(1, order),
         modality_ids=modality_ids.gather(1, order),
         counts=torch.where(valid, counts.gather(1, order), 1.0).to(keys.dtype),
+        valid=valid,
+        assignment=assignment,
+    )
+
+
+def _first_rows(select: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selected tokens of each sample in token order, padded to the batch's largest count.
+
+    Args:
+        select: [B, T] bool.
+
+    Returns:
+        (index [B, N] long: the selected tokens first, then unselected ones as padding (all
+        distinct), valid [B, N] bool), ``N = max_b select[b].sum()`` (a device sync).
+    """
+    B, T = select.shape
+    t = torch.arange(T, device=select.device).expand(B, T)
+    n = select.sum(1)  # [B]
+    N = int(n.max()) if B else 0
+    index = torch.sort(torch.where(select, t, T + t), dim=1).indices[:, :N]  # [B, N]
+    return index, torch.arange(N, device=select.device)[None, :] < n[:, None]
+
+
+def _segment_order(plan: TokenPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order [B, M]: the kept tokens in token order, valid [B, M], assignment [B, T])."""
+    B, T = plan.kept.shape
+    order, valid = _first_rows(plan.kept)
+    M = order.shape[1]
+    entry_of = torch.full((B, T), -1, dtype=torch.long, device=order.device)
+    entry_of.scatter_(1, order, torch.where(valid, torch.arange(M, device=order.device), -1))
+    assignment = torch.where(plan.target >= 0, entry_of.gather(1, plan.target.clamp_min(0)), -1)
+    return order, valid, assignment
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D], index [B, N] -> [B, H, N, D] (the rows at index, every head).
+
+    The seam's K/V are views of ``[B, T, H, D]`` projections: those are read as ``B * T`` rows
+    of ``H * D`` (one ``index_select``, several times faster than a strided ``gather`` on CPU;
+    the same values, returned as a ``[B, N, H, D]`` layout viewed ``[B, H, N, D]``).
+    """
+    B, H, T, D = x.shape
+    N = index.shape[1]
+    rows = x.transpose(1, 2)
+    if rows.is_contiguous():
+        flat = (index + torch.arange(B, device=index.device)[:, None] * T).flatten()
+        return rows.reshape(B * T, H * D).index_select(0, flat).view(B, N, H, D).transpose(1, 2)
+    return x.gather(2, index[:, None, :, None].expand(B, H, N, D))
+
+
+def merge_gather_segment(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    plan: TokenPlan,
+    scores: torch.Tensor,
+    context_mask: torch.Tensor,
+    positions: torch.Tensor,
+    modality_ids: torch.Tensor,
+    rescale: str = MergeEvictConfig.merge_rescale,
+) -> KVSegment:
+    """:func:`merge_tokens` then :func:`gather_segment`, bit for bit, without ``[B, H, T, D]``
+    work: the weighted means are computed over the tokens of the entries that absorb tokens
+    only (in token order, so every sum adds the same terms in the same order), and the kept
+    rows are gathered once.
+
+    Args:
+        keys: [B, H, T, D]; values: [B, H, T, Dv] (not MLA's latent: see ``merge_tokens``).
+        plan, scores, context_mask, rescale: as :func:`merge_tokens`.
+        positions, modality_ids: [B, T].
+
+    Returns:
+        :class:`KVSegment`, equal to ``gather_segment(*merge_tokens(...), plan, ...)``
+        (values and gradients).
+    """
+    if rescale not in MERGE_RESCALE_RULES:
+        raise ValueError(
+            f"merge_gather_segment: rescale={rescale!r} is not allowed; choose one of "
+            f"{list(MERGE_RESCALE_RULES)}"
+        )
+    B, H, T, _ = keys.shape
+    dev = keys.device
+    slot, w, counts, den = _merge_weights(plan, scores, context_mask)
+    order, valid, assignment = _segment_order(plan)  # [B, M]
+    vmask = valid[:, None, :, None].to(keys.dtype)
+    seg_counts = torch.where(valid, counts.gather(1, order), 1.0).to(keys.dtype)
+    many = counts[:, :T] > 1  # [B, T] entries that absorb tokens (their anchor is kept)
+    anchors, anchor_ok = _first_rows(many)  # [B, Q]
+    Q = anchors.shape[1]
+    if Q > 0:
+        # The merging tokens: every context token whose entry absorbs tokens (anchors included).
+        member = context_mask & torch.cat([many, many.new_zeros(B, 1)], 1).gather(1, slot)
+        rows, row_ok = _first_rows(member)  # [B, P], in token order
+        entry = torch.full((B, T + 1), Q, dtype=torch.long, device=dev)  # token -> anchor rank
+        entry.scatter_(1, anchors, torch.where(anchor_ok, torch.arange(Q, device=dev), Q))
+        dest = torch.where(row_ok, entry.gather(1, slot.gather(1, rows)), Q)  # [B, P]; Q: dump
+        w_rows = w.gather(1, rows)  # [B, P]
+        den_q = den.gather(1, anchors)[:, None, :].clamp_min(1e-30)  # [B, 1, Q]
+
+        at = entry.gather(1, order).clamp(max=Q - 1)  # [B, M] each entry's anchor rank
+        is_anchor = many.gather(1, order)[:, None, :, None]  # [B, 1, M, 1]
+
+        def fold(x: torch.Tensor, to_norm: bool) -> torch.Tensor:
+            D = x.shape[-1]
+            idx = dest[:, None, :, None].expand(B, H, dest.shape[1], D)
+            # NOTE: x is read three times, in merge_tokens' order (weighted sum, norms, the
+            # untouched rows), so that autograd adds x's three gradient terms in the same order.
+            wx = _take(x, rows).float() * w_rows[:, None, :, None]  # [B, H, P, D]
+            num = torch.zeros(B, H, Q + 1, D, device=dev).scatter_add(2, idx, wx)[:, :, :Q]
+            mean = num / den_q[..., None]  # [B, H, Q, D]
+            if to_norm:
+                norm = _take(x, rows).float().norm(dim=-1) * w_rows[:, None, :]  # [B, H, P]
+                tnorm = torch.zeros(B, H, Q + 1, device=dev).scatter_add(2, idx[..., 0], norm)
+                scale = (tnorm[:, :, :Q] / den_q) / mean.norm(dim=-1).clamp_min(1e-12)
+                mean = mean * scale[..., None]
+            return torch.where(is_anchor, _take(mean.to(x.dtype), at), _take(x, order))
+
+        k_seg = fold(keys, rescale in ("k", "kv"))
+        v_seg = fold(values, rescale == "kv")
+    else:
+        k_seg, v_seg = _take(keys, order), _take(values, order)
+    return KVSegment(
+        keys=k_seg * vmask,
+        values=v_seg * vmask,
+        positions=positions.gather(1, order),
+        modality_ids=modality_ids.gather(1, order),
+        counts=seg_counts,
         valid=valid,
         assignment=assignment,
     )
@@ -362,11 +505,17 @@ class MergeEvict(MergeEvictConfig):
         # MLA: the untouched latent input (values = keys[..., :R]) stays one latent.
         inp = state.inp
         latent = inp.latent and state.keys is inp.keys and state.values is inp.values
-        k, v, counts = merge_tokens(
-            state.keys, state.values, plan, scores, mask, rescale=self.merge_rescale,
-            latent=latent,
-        )  # fmt: skip
-        seg = gather_segment(k, v, counts, plan, state.inp.positions, state.modality_ids)
+        if latent or using_reference_kernels():
+            k, v, counts = merge_tokens(
+                state.keys, state.values, plan, scores, mask, rescale=self.merge_rescale,
+                latent=latent,
+            )  # fmt: skip
+            seg = gather_segment(k, v, counts, plan, state.inp.positions, state.modality_ids)
+        else:  # the same segment, without [B, H, T, D] work (compress/kernels.py)
+            seg = merge_gather_segment(
+                state.keys, state.values, plan, scores, mask, state.inp.positions,
+                state.modality_ids, rescale=self.merge_rescale,
+            )  # fmt: skip
         if latent:
             seg.values, seg.latent = seg.keys[..., : v.shape[-1]], True
         seg.head_groups = state.head_groups

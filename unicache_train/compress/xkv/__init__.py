@@ -12,7 +12,8 @@ Shape legend: B, T, S, M, G, Hk, D, W, r = batch, tokens of a forward, prefilled
 Per group of G contiguous layers, per sample, separately for keys (pre-RoPE) and values::
 
     X = [X_l0 ‖ X_l1 ‖ ...]          [M, W]   context rows of the group's layers, side by side
-    X ≈ U_r Σ_r V_rᵀ                           fp32 SVD, V_r detached (the basis)
+    X ≈ U_r Σ_r V_rᵀ                           fp32, V_r detached (the basis; XKVConfig.
+                                               factorization: Gram eigh, SVD, randomized)
     A   = X V_r          = U_r Σ_r   [M, r]   token-side factor, shared by the group
     B_l = V_r[rows of l]ᵀ            [r, Hk*D] per-layer factor
     X̂_l = A B_l                               reconstruction on demand (RoPE after it)
@@ -66,7 +67,9 @@ Modules: :mod:`~unicache_train.compress.xkv.factor` (the pure factorisation func
 from unicache_train.compress.xkv.compressor import XKVCompressor
 from unicache_train.compress.xkv.factor import (
     flatten_heads,
+    gram_basis,
     layer_groups,
+    lowrank_basis,
     pooled_svd_basis,
     select_rank,
     svd_basis,
@@ -80,6 +83,8 @@ __all__ = [
     "layer_groups",
     "select_rank",
     "svd_basis",
+    "gram_basis",
+    "lowrank_basis",
     "pooled_svd_basis",
     "flatten_heads",
 ]

@@ -19,8 +19,10 @@ import torch
 
 from unicache_train.compress.config import XKVConfig
 from unicache_train.compress.xkv.factor import (
+    LOWRANK_OVERSAMPLE,
     flatten_heads,
     layer_groups,
+    lowrank_basis,
     pooled_svd_basis,
     rank_mask,
     select_rank,
@@ -256,22 +258,31 @@ def _fit_side(
     widths = [r.shape[-1] for r in rows]
     offsets = [sum(widths[:i]) for i in range(len(widths))]
     x = torch.cat(rows, -1) * valid[..., None].to(rows[0].dtype)  # [B, M, W]
-    W = x.shape[-1]
+    B, M, W = x.shape
     n = valid.sum(1)
+    total = None  # [B] squared Frobenius norm, when the singular values are not all there
     if pooled is not None:
         if key not in pooled:
-            pooled[key] = pooled_svd_basis(x, valid)
+            pooled[key] = pooled_svd_basis(x, valid, config.factorization)
         basis_1, sv_1 = pooled[key]
-        B = x.shape[0]
         basis, sv = basis_1.expand(B, *basis_1.shape), sv_1.expand(B, *sv_1.shape)
+        rank = select_rank(config, sv, W, n, context_tokens, rate_scale)
+    elif config.factorization == "lowrank":
+        # The rank first (reduction and fraction modes never read the singular values), then
+        # a sketch just wide enough for it.
+        rank = select_rank(config, x.new_zeros(B, min(M, W)), W, n, context_tokens, rate_scale)
+        basis, sv = lowrank_basis(x, valid, int(rank.max()) + LOWRANK_OVERSAMPLE)
+        rank = torch.minimum(rank, torch.full_like(rank, sv.shape[1]))
+        total = (x.detach().double() ** 2).sum((1, 2))
     else:
-        basis, sv = svd_basis(x, valid)
-    rank = select_rank(config, sv, W, n, context_tokens, rate_scale)
+        basis, sv = svd_basis(x, valid, config.factorization)
+        rank = select_rank(config, sv, W, n, context_tokens, rate_scale)
     r_max = int(rank.max())
     basis = basis[..., :r_max] * rank_mask(rank, r_max)  # [B, W, r], zero beyond rank
     power = sv.double() ** 2
     kept = (power[:, :r_max] * rank_mask(rank, r_max)[:, 0].double()).sum(1)
-    energy = (kept / power.sum(1).clamp_min(1e-300)).float()
+    total = power.sum(1) if total is None else total
+    energy = (kept / total.clamp_min(1e-300)).float()
     masked = [r * valid[..., None].to(r.dtype) for r in rows]
     side = SideFit(masked, basis, rank, energy, widths, offsets)
     if exact:
