@@ -145,12 +145,25 @@ def export_mla(args) -> None:
             break
     calib = torch.tensor(ids[: args.calib_seqs * args.calib_len]).view(args.calib_seqs, -1)
     t0 = time.time()
-    mla, report = convert_to_mla_with_report(
-        model, calib, args.kv_lora_rank, args.rope_dim, batch_size=2
-    )
-    print(f"converted in {time.time() - t0:.0f}s: rope stride {report.rope_stride}, "
-          f"rope_theta {report.rope_theta:g}, KV elements/token/layer "
-          f"{report.kv_elements_before} -> {report.kv_elements_after}")  # fmt: skip
+    if args.saved:  # a healed conversion (scripts/smollm2_mla.py --save-dir)
+        from safetensors.torch import load_file
+
+        from unicache_train.config import ModelConfig
+        from unicache_train.model import Decoder
+
+        stem = Path(args.saved)
+        mla = Decoder(ModelConfig.from_dict(json.loads(stem.with_suffix(".json").read_text())))
+        mla.load_state_dict(load_file(str(stem.with_suffix(".safetensors"))))
+        mla.eval()
+        print(f"loaded {stem}: kv_lora_rank {mla.config.kv_lora_rank}, qk_rope_head_dim "
+              f"{mla.config.qk_rope_head_dim}")  # fmt: skip
+    else:
+        mla, report = convert_to_mla_with_report(
+            model, calib, args.kv_lora_rank, args.rope_dim, batch_size=2
+        )
+        print(f"converted in {time.time() - t0:.0f}s: rope stride {report.rope_stride}, "
+              f"rope_theta {report.rope_theta:g}, KV elements/token/layer "
+              f"{report.kv_elements_before} -> {report.kv_elements_after}")  # fmt: skip
     with torch.no_grad():
         x = calib[:2, :128]
         labels = x[:, 1:].reshape(-1)
@@ -161,6 +174,16 @@ def export_mla(args) -> None:
             print(f"{name} calibration-text ppl {float(nll.exp()):.2f}")
     export_deepseek_v3(mla, args.out, tokenizer_from=args.source)
     print(f"exported {args.out}")
+    # Stock transformers reloads it: DeepseekV3ForCausalLM logits against ours.
+    from transformers import AutoModelForCausalLM
+
+    back = AutoModelForCausalLM.from_pretrained(str(args.out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        x = calib[:2, :128]
+        ref = mla(x).logits
+        diff = float((back(x).logits - ref).abs().max())
+    print(f"transformers {type(back).__name__} reload: max |logit diff| {diff:.3g} "
+          f"(logits up to {float(ref.abs().max()):.1f})")  # fmt: skip
 
 
 def pad_mla_state_dict(sd: dict, rank: int, new_rank: int) -> dict:
@@ -569,6 +592,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     e.add_argument("--source", type=Path, required=True, help="the GQA HF checkpoint dir")
     e.add_argument("--out", type=Path, required=True)
+    e.add_argument("--saved", default=None,
+                   help="STEM of a saved healed MLA model (STEM.safetensors + STEM.json, "
+                        "scripts/smollm2_mla.py --save-dir) instead of converting")  # fmt: skip
     e.add_argument("--kv-lora-rank", type=int, default=128)
     e.add_argument("--rope-dim", type=int, default=32)
     e.add_argument("--calib-seqs", type=int, default=8)

@@ -1,0 +1,129 @@
+"""MLA + UniCache stacked on SmolLM2: a healed MLA model (``scripts/smollm2_mla.py --save-dir``)
+evaluated with UniCache on its latent cache, at KV-bytes reductions counted against the SOURCE
+GQA cache (SmolLM2-135M: 3 KV heads x 64 x (K + V) x 16 bit = 768 bytes per token and layer).
+
+The MLA conversion alone gives ``384 / (R + Dr)``; UniCache's share is calibrated on held-out text
+(:func:`unicache_train.eval.budget.rate_for_reduction`, bytes measured, the latent counted once)
+to reach ``TARGET / (384 / (R + Dr))`` on the latent cache. Recall (8 pairs, held-out seeds) is
+decoded on the compressed latent cache (:func:`unicache_train.model.generate.prefill_compressed`
+with ``latent=True``), perplexity with the in-loop forward; the source's own uncompressed rows
+come from the ``smollm2_mla.py`` CSV.
+
+    python scripts/smollm2_mla_compress.py --model runs/smollm2_mla/mla_64+32_weighted \\
+        --settings unicache@8 unicache_q4@8 unicache_q4@16
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+QUANT = {"unicache": "int8", "unicache_q4": "int4", "unicache_fp": None}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="STEM of STEM.safetensors + STEM.json")
+    ap.add_argument("--checkpoint", default="smollm2", help="the source (tokenizer, GQA config)")
+    ap.add_argument("--settings", nargs="+", default=["unicache@8", "unicache_q4@8"],
+                    help=f"METHOD@REDUCTION vs the source GQA cache; METHOD in {list(QUANT)}")
+    ap.add_argument("--num-recall", type=int, default=32)
+    ap.add_argument("--text-blocks", type=int, default=12)
+    ap.add_argument("--label", default=None, help="model column (default: the stem's name)")
+    ap.add_argument("--out", default="scripts/results/smollm2_mla/mla_compress.csv")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    command = "python scripts/smollm2_mla_compress.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
+    settings = []
+    for spec in args.settings:
+        method, _, red = spec.partition("@")
+        if method not in QUANT or not red.replace(".", "", 1).isdigit() or float(red) <= 1:
+            raise SystemExit(f"--settings {spec!r}: METHOD@REDUCTION, METHOD in {list(QUANT)}, "
+                             "REDUCTION > 1")  # fmt: skip
+        settings.append((method, float(red)))
+
+    from safetensors.torch import load_file
+
+    from unicache_train.checkpoint.gguf import KNOWN, fetch
+    from unicache_train.checkpoint.hf import import_hf
+    from unicache_train.compress import UniCacheCompressor
+    from unicache_train.config import ModelConfig
+    from unicache_train.data.reference_text import reference_documents
+    from unicache_train.data.tokenizer import load_tokenizer
+    from unicache_train.eval import RecallTask, recall_records, run_recall, run_text_perplexity
+    from unicache_train.eval.budget import rate_for_reduction, text_unicache
+    from unicache_train.eval.text import text_blocks
+    from unicache_train.model import Decoder
+    from unicache_train.model.convert_mla import kv_elements_per_token
+    from unicache_train.seam import IdentityCompressor
+
+    t0 = time.time()
+    ckpt = fetch(args.checkpoint) if args.checkpoint in KNOWN else Path(args.checkpoint)
+    source, _ = import_hf(ckpt)
+    src_elems = kv_elements_per_token(source.config)
+    del source
+    stem = Path(args.model)
+    config = ModelConfig.from_dict(json.loads(stem.with_suffix(".json").read_text()))
+    model = Decoder(config)
+    model.load_state_dict(load_file(str(stem.with_suffix(".safetensors"))))
+    model.eval()
+    conv = src_elems / kv_elements_per_token(config)  # the conversion's reduction
+    tok = load_tokenizer(str(ckpt))
+    blocks = text_blocks(tok, reference_documents("heldout"), 256, args.text_blocks)
+    records = recall_records(RecallTask(pairs=8), args.num_recall, 1_000_003)
+    calib = blocks[:2]
+    split = torch.full((2,), 192, dtype=torch.long)
+    label = args.label or stem.name
+    rows: list[dict] = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        with out.open("w", newline="") as f:
+            f.write(f"# command: {command}\n")
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        print(row, f"[{time.time() - t0:.0f}s]", flush=True)
+
+    def evaluate(name, target, rate, build) -> None:
+        text = run_text_perplexity(model, blocks, 192, build())
+        rec = run_recall(model, tok, records, build(), batch_size=8)
+        emit({"model": label, "setting": name, "target_vs_source": target, "rate": rate,
+              "kv_reduction_vs_latent": rec.kv_reduction,
+              "kv_reduction_vs_source": rec.kv_reduction * conv,
+              "recall": rec.accuracy, "recall_se": rec.stderr, "n": rec.n,
+              "ppl": text.perplexity, "ppl_se": text.ppl_stderr})  # fmt: skip
+
+    evaluate("none", conv, 0.0, IdentityCompressor)
+    for method, red in settings:
+        on_latent = red / conv
+        quant = QUANT[method]
+        with torch.no_grad():
+            if on_latent <= 1.0:
+                print(f"{method}@{red}: the conversion alone gives {conv:.2f}x; skipped")
+                continue
+            rate, got = rate_for_reduction(
+                model, calib, split, lambda r, q=quant: UniCacheCompressor(text_unicache(r, 0, q)),
+                on_latent,
+            )  # fmt: skip
+        print(f"{method}@{red}: rate {rate:.3f}, calibrated {got * conv:.2f}x vs source",
+              flush=True)  # fmt: skip
+        cfg = text_unicache(rate, 0, quant)
+        evaluate(f"{method}@{red:g}", red, rate, lambda c=cfg: UniCacheCompressor(c))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
