@@ -10,7 +10,8 @@ On CPU the kernels run under the Triton interpreter (~1000x slower than compiled
 guarantee in a shared pytest process; as in ``tests/test_sinkhorn_triton.py`` the interpreter
 tests (``interp``) run in a child pytest process started by
 ``test_interpreter_tests_in_subprocess`` and are skipped in the parent. Run this file with
-``TRITON_INTERPRET=1`` in the environment and they run directly. GPU tests (``-m gpu``) use the
+``TRITON_INTERPRET=1`` in the environment and they run directly; the slow ones only that way
+(``TRITON_INTERPRET=1 pytest tests/test_mhc_fused.py -m slow``). GPU tests (``-m gpu``) use the
 compiled kernels at real sizes and skip without CUDA.
 
 Tolerances (absolute, on values and gradients of magnitude ~1-10):
@@ -73,7 +74,7 @@ def test_interpreter_tests_in_subprocess():
         "-p",
         "no:cacheprovider",
         "-m",
-        "not gpu",
+        "not gpu and not slow",
     ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (
@@ -265,6 +266,52 @@ def test_hyperconnection_triton_equals_torch(tk, preset, dtype):
     for k in g:
         torch.testing.assert_close(g[k], g_t[k], atol=atol, rtol=0, msg=f"d{k}")
     assert g["fn"].abs().max() > 1e-4 and g["x"].abs().max() > 1e-3
+
+
+@interp
+@pytest.mark.slow
+def test_decoder_training_steps_equal_torch(tk):
+    """Three AdamW steps of a tiny mHC decoder (attention and MLP branches, both connections per
+    layer) give the same losses and weights with every connection on Triton as on torch (fp64;
+    ~10 s under the interpreter, hence slow)."""
+    from unicache_train.model.decoder import Decoder
+
+    cfg = ModelConfig(
+        vocab_size=61,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        residual_mode="mhc",
+        hc_mult=4,
+        hc_sinkhorn_iters=3,
+    )
+    ids = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for backend in ("triton", "torch"):
+        torch.manual_seed(0)
+        model = Decoder(cfg).double()
+        hcs = [m for m in model.modules() if isinstance(m, HyperConnection)]
+        assert len(hcs) == 4
+        for hc in hcs:
+            hc.backend = backend
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            logits = model(ids).logits  # [B, T, V]
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs[backend] = (losses, {k: v.detach() for k, v in model.state_dict().items()})
+    (losses, sd), (losses_t, sd_t) = runs["triton"], runs["torch"]
+    assert losses == pytest.approx(losses_t, abs=1e-10) and losses[-1] < losses[0]
+    for k in sd:
+        torch.testing.assert_close(sd[k], sd_t[k], atol=1e-9, rtol=0, msg=k)
 
 
 @interp
