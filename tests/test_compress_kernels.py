@@ -188,3 +188,35 @@ def test_factorization_config() -> None:
         XKVConfig(factorization="lowrank", rank_mode="energy")
     with pytest.raises(ValueError, match="lowrank_basis"):
         svd_basis(torch.zeros(1, 2, 2), torch.ones(1, 2, dtype=torch.bool), "lowrank")
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_every_factorization_fits_the_same_ranks_in_the_model(mla: bool) -> None:
+    """In the model: the same ranks and bytes, the SVD's reconstruction error (Gram: to
+    round-off; randomized: within 1%), and the captured energy of the randomized sketch counts
+    the whole spectrum (``||X||_F²``), not the sketch's."""
+    from unicache_train.compress.xkv import XKVCompressor
+    from unicache_train.config import ModelConfig
+    from unicache_train.model import Decoder
+
+    mla_kw = dict(attention_type="mla", kv_lora_rank=24, q_lora_rank=None, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      **(mla_kw if mla else {}))  # fmt: skip
+    model = Decoder(cfg).eval()
+    ids = torch.randint(0, 97, (3, 48), generator=torch.Generator().manual_seed(1))
+    split = torch.tensor([40, 25, 33])
+    stats = {}
+    with torch.no_grad():
+        for f in ("svd", "gram", "lowrank"):
+            comp = XKVCompressor(XKVConfig(rank_mode="reduction", reduction=3.0, factorization=f))
+            stats[f] = model(ids, split=split, compressor=comp).compression_stats
+    for f in ("gram", "lowrank"):
+        for ref, got in zip(stats["svd"], stats[f]):
+            assert torch.equal(ref["kv_bytes"], got["kv_bytes"])
+            assert torch.equal(ref["xkv_rank_k"], got["xkv_rank_k"])
+            tol = 1e-5 if f == "gram" else 1e-2
+            for key in [k for k in ref if k.startswith(("xkv_rel_error", "xkv_energy"))]:
+                assert float(got[key]) == pytest.approx(float(ref[key]), rel=tol), (f, key)

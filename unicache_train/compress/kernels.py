@@ -10,7 +10,9 @@ segment and the same gradients (``tests/test_compress_kernels.py`` checks it on 
   the entries that absorb tokens only and the kept rows are gathered once
   (:func:`~unicache_train.compress.merge_evict.merge_gather_segment`; the reference folds every
   token of ``[B, H, T, D]`` with :func:`~unicache_train.compress.merge_evict.merge_tokens`, then
-  gathers with :func:`~unicache_train.compress.merge_evict.gather_segment`).
+  gathers with :func:`~unicache_train.compress.merge_evict.gather_segment`); its plan skips the
+  protection rounds when no protected token was picked (the reference recomputes the same
+  neighbours there).
 
 The reference path exists for the equality tests and for ``scripts/bench_compress_overhead.py
 --compare-kernels``, which times both in one run. Not thread-safe (a process-wide switch).

@@ -193,7 +193,7 @@ def plan_tokens(
     blocked = torch.zeros_like(mask)
     # NOTE: with no protected token picked (protection off, or none in the quotas) nothing is
     # restored: the rounds and the stranded check would only recompute the same neighbours.
-    rounds = _ROUNDS if bool((sel & prot).any()) else 0
+    rounds = _ROUNDS if using_reference_kernels() or bool((sel & prot).any()) else 0
     for _ in range(rounds):
         has, tgt = _best_neighbour(neigh, mask & ~sel, merge_threshold)
         restored = sel & prot & ~has
