@@ -278,7 +278,8 @@ def finetune(args, ckpt: Path, command: str) -> tuple[Trained, Trained, list, li
             "composite_fwd": f"{full.composite_fwd:.9f}",
             "composite_bwd": f"{full.composite_bwd:.9f}",
             "sinkhorn_residual": f"{full.sinkhorn_residual:.3g}",
-            "max_abs_scale": fmt(max(float(hc.scale.abs().max()) for hc in connections(mhc.model))),
+            "max_abs_scale": fmt(max(float(hc.scale.detach().abs().max())
+                                     for hc in connections(mhc.model))),
         })  # fmt: skip
         for layer, (cf, cb) in enumerate(prefix):
             layer_rows.append({
