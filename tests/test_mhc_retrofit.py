@@ -9,7 +9,7 @@ plain model is bounded by a small multiple of the plain model's own (2x asserted
 <= 1.4x on these models). deepseek_v4's ``eps`` terms are a systematic error of a different
 kind (``res`` rows sum to ``1 - eps``: a ``(1 - eps)`` discount of the residual per sub-layer);
 the test shows that the former ``post = 1`` init exceeds the bound (by 3x at eps = 1e-6 and
-~5000x at eps = 1e-3) and the carried init does not.
+~3000x at eps = 1e-3) and the carried init does not.
 """
 
 from __future__ import annotations

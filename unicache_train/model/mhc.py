@@ -197,7 +197,9 @@ class HyperConnection(_Fp32Params):
       ``fn ~ N(0, initializer_range)`` (symmetry breaker; inert while the scales are 0),
       ``sum(pre) = 1`` (``pre = 1/n``; for ``deepseek_v4`` the ``+eps`` is compensated in
       ``b_pre``), ``post = 1``, ``res`` uniform (mHC) or ``I`` (HC). With equal streams this
-      reproduces the residual update exactly (see :mod:`unicache_train.model.convert`).
+      reproduces the residual update, up to ``deepseek_v4``'s ``res`` rows summing to
+      ``1 - eps``; :func:`~unicache_train.model.convert.convert_to_mhc` removes that too by
+      re-initialising each connection for its depth (:meth:`init_identity`).
 
     Monitoring: set ``self.record = True`` and each forward stores detached
     :class:`HCCoeffs` in ``self.last_coeffs``; nothing is stored (or computed) otherwise.
