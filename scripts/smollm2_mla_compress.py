@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--checkpoint", default="smollm2", help="the source (tokenizer, GQA config)")
     ap.add_argument("--settings", nargs="+", default=["unicache@8", "unicache_q4@8"],
                     help=f"METHOD@REDUCTION vs the source GQA cache; METHOD in {list(QUANT)}")
+    ap.add_argument("--finetune-steps", type=int, default=0,
+                    help="compression-aware fine-tune of N steps with the FIRST setting's "
+                         "UniCache in the loop (the main recipe's training mix), then every "
+                         "setting is evaluated again")  # fmt: skip
+    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--num-recall", type=int, default=32)
     ap.add_argument("--text-blocks", type=int, default=12)
     ap.add_argument("--label", default=None, help="model column (default: the stem's name)")
@@ -106,22 +111,50 @@ def main(argv: list[str] | None = None) -> list[dict]:
               "recall": rec.accuracy, "recall_se": rec.stderr, "n": rec.n,
               "ppl": text.perplexity, "ppl_se": text.ppl_stderr})  # fmt: skip
 
-    evaluate("none", conv, 0.0, IdentityCompressor)
+    calibrated = []  # (name, target, rate, config)
     for method, red in settings:
         on_latent = red / conv
         quant = QUANT[method]
+        if on_latent <= 1.0:
+            print(f"{method}@{red}: the conversion alone gives {conv:.2f}x; skipped")
+            continue
         with torch.no_grad():
-            if on_latent <= 1.0:
-                print(f"{method}@{red}: the conversion alone gives {conv:.2f}x; skipped")
-                continue
             rate, got = rate_for_reduction(
                 model, calib, split, lambda r, q=quant: UniCacheCompressor(text_unicache(r, 0, q)),
                 on_latent,
             )  # fmt: skip
         print(f"{method}@{red}: rate {rate:.3f}, calibrated {got * conv:.2f}x vs source",
               flush=True)  # fmt: skip
-        cfg = text_unicache(rate, 0, quant)
-        evaluate(f"{method}@{red:g}", red, rate, lambda c=cfg: UniCacheCompressor(c))
+        calibrated.append((f"{method}@{red:g}", red, rate, text_unicache(rate, 0, quant)))
+
+    def evaluate_all() -> None:
+        evaluate("none", conv, 0.0, IdentityCompressor)
+        for name, red, rate, cfg in calibrated:
+            evaluate(name, red, rate, lambda c=cfg: UniCacheCompressor(c))
+
+    evaluate_all()
+    if args.finetune_steps and calibrated:
+        from unicache_train.config import DataConfig, TrainConfig
+        from unicache_train.data.datamodule import LMDataModule
+        from unicache_train.data.recall_mix import write_recall_mix
+        from unicache_train.train.loop import endless, train_steps
+
+        work = stem.parent
+        mix = write_recall_mix(work / "train_mix.jsonl",
+                               [RecallTask(8, 0), RecallTask(16, 0), RecallTask(12, 2)], 300,
+                               seed=0, text_fraction=0.4)  # fmt: skip
+        data = LMDataModule(DataConfig(source=str(mix), tokenizer=str(ckpt), seq_len=192,
+                                       batch_size=4, pack=False, split_at="question",
+                                       prompt_loss=False, val_fraction=0.02))  # fmt: skip
+        data.setup()
+        name, _, _, cfg = calibrated[0]
+        res = train_steps(model, endless(data.train_dataloader), args.finetune_steps, args.lr,
+                          max(1, args.finetune_steps // 8), TrainConfig(weight_decay=0.0),
+                          compressor=UniCacheCompressor(cfg), desc=f"fine-tune {name} in loop")
+        print(f"compression-aware fine-tune: {args.finetune_steps} steps, {res.tokens} tokens, "
+              f"{res.seconds:.0f}s", flush=True)  # fmt: skip
+        label = f"{label} + {args.finetune_steps} steps {name} in loop"
+        evaluate_all()
     return rows
 
 

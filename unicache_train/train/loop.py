@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from unicache_train.config import TrainConfig
+from unicache_train.inloop import continuation_mask, masked_lm_loss, sample_splits, step_generator
 from unicache_train.model.loss import causal_lm_loss
 from unicache_train.train.module import warmup_cosine
 
@@ -48,6 +49,9 @@ def train_steps(
     warmup: int,
     train: TrainConfig,
     *,
+    compressor=None,
+    min_context: int = 16,
+    seed: int = 0,
     desc: str | None = None,
 ) -> LoopResult:
     """``steps`` AdamW steps on ``batches`` (``input_ids`` and ``labels`` [B, T]; -100 = no
@@ -57,7 +61,14 @@ def train_steps(
     the cosine floor ``train.min_lr_ratio`` from ``train``; the learning rate ``lr`` and warmup
     are given (a healing run's, not the config's pretraining values).
 
+    With ``compressor`` each step is the in-loop objective of
+    :class:`~unicache_train.train.module.LMModule` without its KL term: per-sample splits
+    (``batch["split"]`` where the data has one, else sampled; at least ``min_context`` context
+    tokens, seeded by ``seed`` and the step), the context's K/V compressed at every layer, the
+    loss on the continuation tokens only.
+
     Args:
+        compressor: a KV compressor for compression-aware training, or None (plain LM loss).
         desc: label of the progress bar (tqdm on stderr); None: no bar.
     """
     if steps < 0:
@@ -82,7 +93,15 @@ def train_steps(
         for group in opt.param_groups:
             group["lr"] = lr * warmup_cosine(step, warmup, steps, train.min_lr_ratio)
         labels = batch["labels"]
-        loss = causal_lm_loss(model(batch["input_ids"]).logits, labels)
+        if compressor is None:
+            loss = causal_lm_loss(model(batch["input_ids"]).logits, labels)
+        else:
+            split = sample_splits(labels, batch.get("split"), mode="data",
+                                  min_context=min_context, generator=step_generator(seed, step))
+            logits = model(batch["input_ids"], split=split, compressor=compressor).logits
+            cont = continuation_mask(split, labels.shape[1])  # [B, T]
+            labels = torch.where(cont, labels, -100)
+            loss = masked_lm_loss(logits, labels, cont)  # fmt: skip
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if train.grad_clip:
