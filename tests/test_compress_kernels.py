@@ -59,6 +59,19 @@ def test_window_stats_fast_equals_reference(window: int) -> None:
         assert torch.isfinite(fast.attn).all() and torch.isfinite(fast.cross).all()
 
 
+@pytest.mark.parametrize("source", ["keys", "kv"])
+def test_neighbour_similarity_fast_equals_reference(source: str) -> None:
+    from unicache_train.compress.neighbours import neighbour_offsets, neighbour_similarity
+
+    for inp in _inputs():
+        for offsets in (neighbour_offsets(4), neighbour_offsets(2, 8), (1, -3, 5, -1)):
+            args = (inp.keys, inp.values, inp.modality_ids, inp.context_mask, offsets, source)
+            fast = neighbour_similarity(*args)
+            with reference_kernels():
+                ref = neighbour_similarity(*args)
+            assert torch.equal(fast.sims, ref.sims) and torch.equal(fast.valid, ref.valid)
+
+
 def _run(cfg: UniCacheConfig, inp, reference: bool) -> tuple[dict, tuple[torch.Tensor, ...]]:
     """The segment's fields and the gradients of K and V (fixed random output weights)."""
     k = inp.keys.detach().clone().requires_grad_(True)

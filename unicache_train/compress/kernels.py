@@ -14,6 +14,9 @@ segment and the same gradients (``tests/test_compress_kernels.py`` checks it on 
   protection rounds when no protected token was picked (the reference recomputes the same
   neighbours there).
 
+* :func:`~unicache_train.compress.neighbours.neighbour_similarity`: offsets ``o`` and ``-o``
+  share their dot products (the same token pairs; the reference computes both).
+
 The reference path exists for the equality tests and for ``scripts/bench_compress_overhead.py
 --compare-kernels``, which times both in one run. Not thread-safe (a process-wide switch).
 """

@@ -45,6 +45,11 @@ The entry keeps j's position and modality and carries ``count = |S| + 1``, which
 turns into a ``log(count)`` logit bias. Entries that absorb nothing are bit-for-bit the input.
 Selection is discrete (no gradient); the kept and merged values carry gradients.
 
+The pipeline step runs :func:`merge_gather_segment`, which computes the means for the merging
+tokens only and gathers the kept rows once: bit for bit :func:`merge_tokens` followed by
+:func:`gather_segment` (the reference path, ``compress/kernels.py``), without ``[B, H, T, D]``
+work when few tokens merge (text: mostly evictions).
+
 Shape legend: B, H, T, D, M, O = batch, KV heads, tokens, head dim, emitted entries, offsets.
 """
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from unicache_train.compress.kernels import using_reference_kernels
+
 __all__ = ["NeighbourSims", "neighbour_offsets", "neighbour_similarity"]
 
 _EPS = 1e-6
@@ -92,14 +94,22 @@ def neighbour_similarity(
     vh = _unit(values.float()) if source == "kv" else None
     T = kh.shape[2]
 
-    def pair_cos(x: torch.Tensor, o: int) -> torch.Tensor:
+    dots_of: dict[tuple[str, int], torch.Tensor] = {}
+    reference = using_reference_kernels()
+
+    def pair_cos(x: torch.Tensor, o: int, name: str) -> torch.Tensor:
         # cos(x_t, x_{t+o}) on the overlapping slices only (no shifted copy of [B, H, T, D]),
         # head-averaged, then placed at t: [B, T], 0 where t + o is outside the sequence.
         out = x.new_zeros(x.shape[0], T)
         n = T - abs(o)
         if n > 0:
-            a, b = (x[:, :, :n], x[:, :, o:]) if o > 0 else (x[:, :, -o:], x[:, :, :n])
-            dots = (a * b).sum(-1).mean(1)  # [B, n]
+            # NOTE: offsets o and -o pair the same tokens (x_t x_{t+|o|}, a product that
+            # commutes exactly): computed once, placed twice.
+            key = (name, o if reference else abs(o))
+            if key not in dots_of:
+                a, b = (x[:, :, :n], x[:, :, o:]) if o > 0 else (x[:, :, -o:], x[:, :, :n])
+                dots_of[key] = (a * b).sum(-1).mean(1)  # [B, n]
+            dots = dots_of[key]
             if o > 0:
                 out[:, :n] = dots
             else:
@@ -108,9 +118,9 @@ def neighbour_similarity(
 
     sims, valid = [], []
     for o in offsets:
-        s = pair_cos(kh, o)
+        s = pair_cos(kh, o, "k")
         if vh is not None:
-            s = 0.5 * (s + pair_cos(vh, o))
+            s = 0.5 * (s + pair_cos(vh, o, "v"))
         ok = context_mask & _shift(context_mask, o, 1)
         ok &= modality_ids == _shift(modality_ids, o, 1)
         sims.append(torch.where(ok, s, float("-inf")))
