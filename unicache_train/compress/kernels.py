@@ -10,7 +10,8 @@ segment and the same gradients (``tests/test_compress_kernels.py`` checks it on 
   the entries that absorb tokens only and the kept rows are gathered once
   (:func:`~unicache_train.compress.merge_evict.merge_gather_segment`; the reference folds every
   token of ``[B, H, T, D]`` with :func:`~unicache_train.compress.merge_evict.merge_tokens`, then
-  gathers with :func:`~unicache_train.compress.merge_evict.gather_segment`); its plan skips the
+  gathers with :func:`~unicache_train.compress.merge_evict.gather_segment`; the fused path runs
+  on CPU only, accelerators keep the sync-free reference); its plan skips the
   protection rounds when no protected token was picked (the reference recomputes the same
   neighbours there).
 

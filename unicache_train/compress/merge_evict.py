@@ -45,10 +45,11 @@ The entry keeps j's position and modality and carries ``count = |S| + 1``, which
 turns into a ``log(count)`` logit bias. Entries that absorb nothing are bit-for-bit the input.
 Selection is discrete (no gradient); the kept and merged values carry gradients.
 
-The pipeline step runs :func:`merge_gather_segment`, which computes the means for the merging
-tokens only and gathers the kept rows once: bit for bit :func:`merge_tokens` followed by
-:func:`gather_segment` (the reference path, ``compress/kernels.py``), without ``[B, H, T, D]``
-work when few tokens merge (text: mostly evictions).
+On CPU the pipeline step runs :func:`merge_gather_segment`, which computes the means for the
+merging tokens only and gathers the kept rows once: bit for bit :func:`merge_tokens` followed by
+:func:`gather_segment` (the reference path, ``compress/kernels.py``, kept on accelerators, where
+the fused path's two extra host syncs would cost more than the folds), without
+``[B, H, T, D]`` work when few tokens merge (text: mostly evictions).
 
 Shape legend: B, H, T, D, M, O = batch, KV heads, tokens, head dim, emitted entries, offsets.
 """
@@ -510,7 +511,10 @@ class MergeEvict(MergeEvictConfig):
         # MLA: the untouched latent input (values = keys[..., :R]) stays one latent.
         inp = state.inp
         latent = inp.latent and state.keys is inp.keys and state.values is inp.values
-        if latent or using_reference_kernels():
+        # NOTE: the fused path sizes its compact tensors on the host (two more device syncs
+        # per layer): taken on CPU, where it saves the [B, H, T, D] work; accelerators keep
+        # the sync-free folds.
+        if latent or using_reference_kernels() or state.keys.device.type != "cpu":
             k, v, counts = merge_tokens(
                 state.keys, state.values, plan, scores, mask, rescale=self.merge_rescale,
                 latent=latent,
