@@ -28,15 +28,13 @@ Tolerances (absolute, on values and gradients of magnitude ~1-10):
 from __future__ import annotations
 
 import importlib
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from triton_interp import INTERPRETER, run_interpreter_tests  # noqa: E402  (tests/ on sys.path)
 
 from unicache_train.config import ModelConfig  # noqa: E402
 from unicache_train.model.mhc import HyperConnection  # noqa: E402
@@ -44,7 +42,6 @@ from unicache_train.model.mlp import SwiGLU  # noqa: E402
 from unicache_train.model.norm import RMSNorm  # noqa: E402
 from unicache_train.ops import mhc as om  # noqa: E402
 
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(
     not INTERPRETER, reason="runs under TRITON_INTERPRET=1 in test_interpreter_tests_in_subprocess"
 )
@@ -62,30 +59,7 @@ def tk():
 
 
 def test_interpreter_tests_in_subprocess():
-    if INTERPRETER:
-        pytest.skip("already under the interpreter: the interp tests run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        __file__,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-m",
-        "not gpu and not slow",
-    ]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, (
-        f"interpreter tests failed:\n{res.stdout[-8000:]}\n{res.stderr[-2000:]}"
-    )
-    # Only this test skips itself in the child; anything else skipped means the interpreter
-    # tests did not really run.
-    skipped = re.search(r"(\d+) skipped", res.stdout)
-    assert re.search(r"\d+ passed", res.stdout) and (not skipped or skipped.group(1) == "1"), (
-        res.stdout
-    )
+    run_interpreter_tests(__file__, "not gpu and not slow", OMP_NUM_THREADS="1")
 
 
 # --------------------------------------------------------------------------------------------

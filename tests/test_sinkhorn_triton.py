@@ -21,15 +21,13 @@ tests/test_sinkhorn.py's docstring; two correct fp32 evaluations differ by up to
 from __future__ import annotations
 
 import importlib
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from triton_interp import INTERPRETER, run_interpreter_tests  # noqa: E402  (tests/ on sys.path)
 
 from unicache_train.ops import sinkhorn, sinkhorn_reference  # noqa: E402
 
@@ -37,7 +35,6 @@ VARIANTS = ["deepseek_v4", "paper"]
 ATOL = 1e-6  # interpreter, fp32: see module docstring
 GPU_ATOL = 1e-5  # compiled, fp32: see module docstring
 PAPER_GPU_GRAD_ATOL = 1e-4  # compiled, fp32, paper gradients at 20 iterations: see docstring
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(
     not INTERPRETER, reason="runs under TRITON_INTERPRET=1 in test_interpreter_tests_in_subprocess"
 )
@@ -53,30 +50,7 @@ def tk():
 
 
 def test_interpreter_tests_in_subprocess():
-    if INTERPRETER:
-        pytest.skip("already under the interpreter: the interp tests run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        __file__,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-m",
-        "not gpu",
-    ]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, (
-        f"interpreter tests failed:\n{res.stdout[-8000:]}\n{res.stderr[-2000:]}"
-    )
-    # Only this test skips itself in the child; anything else skipped means the interpreter
-    # tests did not really run.
-    skipped = re.search(r"(\d+) skipped", res.stdout)
-    assert re.search(r"\d+ passed", res.stdout) and (not skipped or skipped.group(1) == "1"), (
-        res.stdout
-    )
+    run_interpreter_tests(__file__, "not gpu")
 
 
 def _logits(shape, scale=2.0, seed=0, dtype=torch.float32):
