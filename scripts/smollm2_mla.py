@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             d = Path(args.save_dir)
             d.mkdir(parents=True, exist_ok=True)
             stem = f"mla_{R}+{Dr}_{args.rope_selection}"
-            save_file({k: v.contiguous() for k, v in mla.state_dict().items()},
+            # clone: tied embeddings share storage, which safetensors refuses
+            save_file({k: v.detach().clone().contiguous() for k, v in mla.state_dict().items()},
                       str(d / f"{stem}.safetensors"))  # fmt: skip
             (d / f"{stem}.json").write_text(json.dumps(mla.config.to_dict(), indent=1))
         del mla
