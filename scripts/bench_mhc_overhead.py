@@ -81,18 +81,36 @@ class HF(Plain):
         return x
 
 
-def time_case(model: nn.Module, x: torch.Tensor, warmup: int, repeats: int) -> float:
-    g = torch.randn_like(x)
-    times = []
-    for i in range(warmup + repeats):
-        model.zero_grad(set_to_none=True)
-        xi = x.detach().requires_grad_(True)
-        t0 = time.perf_counter()
-        model(xi).backward(g)
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
-    return statistics.median(times) * 1e3
+def step_time(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> float:
+    """Seconds for one forward + backward of ``model`` at ``x`` with cotangent ``g``."""
+    model.zero_grad(set_to_none=True)
+    xi = x.detach().requires_grad_(True)
+    t0 = time.perf_counter()
+    model(xi).backward(g)
+    return time.perf_counter() - t0
+
+
+def time_cases(cases: list[tuple[nn.Module, torch.Tensor]], warmup: int, repeats: int,
+               interleave: bool) -> list[float]:
+    """Median ms per case. ``interleave``: round-robin, one step of each case per repeat (the
+    order rotating), so load that comes and goes hits every case alike; else one case after
+    another."""
+    grads = [torch.randn_like(x) for _, x in cases]
+    times: list[list[float]] = [[] for _ in cases]
+    if interleave:
+        for i in range(warmup + repeats):
+            order = [(i + j) % len(cases) for j in range(len(cases))]
+            for k in order:
+                dt = step_time(cases[k][0], cases[k][1], grads[k])
+                if i >= warmup:
+                    times[k].append(dt)
+    else:
+        for k, (model, x) in enumerate(cases):
+            for i in range(warmup + repeats):
+                dt = step_time(model, x, grads[k])
+                if i >= warmup:
+                    times[k].append(dt)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def main() -> None:
@@ -103,20 +121,27 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--sequential", action="store_true",
+                   help="time the cases one after another instead of round-robin")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     machine = (f"{platform.processor() or platform.machine()} threads={torch.get_num_threads()} "
-               f"torch={torch.__version__} load1={load:.1f}")
+               f"torch={torch.__version__} load1={load:.1f} "
+               f"{'sequential' if args.sequential else 'round-robin'} repeats={args.repeats}")
     rows = []
     print(f"{'C':>6} {'plain ms':>9} {'ours ms':>8} {'hf ms':>8} {'ours +%':>8} {'hf +%':>7} "
           f"{'ours/hf overhead':>17}")
     for C in args.widths:
         x1 = torch.randn(1, args.tokens, C)
         xn = x1.unsqueeze(2).expand(1, args.tokens, args.n, C).contiguous()
-        t_plain = time_case(Plain(C, args.layers), x1, args.warmup, args.repeats)
-        t_ours = time_case(Ours(C, args.layers, args.n), xn, args.warmup, args.repeats)
-        t_hf = time_case(HF(C, args.layers, args.n), xn, args.warmup, args.repeats)
+        t_plain, t_ours, t_hf = time_cases(
+            [(Plain(C, args.layers), x1), (Ours(C, args.layers, args.n), xn),
+             (HF(C, args.layers, args.n), xn)],
+            args.warmup, args.repeats, interleave=not args.sequential)
         o_ours, o_hf = t_ours / t_plain - 1, t_hf / t_plain - 1
         ratio = o_ours / o_hf if o_hf > 0 else float("nan")
         print(f"{C:>6} {t_plain:9.1f} {t_ours:8.1f} {t_hf:8.1f} {100 * o_ours:7.0f}% "

@@ -526,3 +526,20 @@ def test_per_sample_segment_attention_equals_batched_masked(
     torch.testing.assert_close(lp, lb, atol=1e-5, rtol=1e-5)
     for a, b in zip(gp, gb):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_plain_loop_and_lightning_module_share_the_inloop_objective() -> None:
+    """``train.loop.train_steps`` (healing / fine-tuning scripts) and ``LMModule`` (recipes)
+    compute the same in-loop loss on the same batch, seed and compressor: one objective."""
+    from unicache_train.train.loop import train_steps
+
+    b = batch()
+    m = module(unicache=unicache(0.6, 8).to_dict(), min_context=8)
+    loss, _, per_layer = m.compressed_loss(b, step=0)
+    assert sum(float(s["rate_realized"]) for s in per_layer) > 0  # compression ran
+    res = train_steps(m.model, iter([b]), 1, 0.0, 0, m.config.train, compressor=m.compressor,
+                      min_context=8, seed=m.config.compress.seed)  # fmt: skip
+    assert abs(res.losses[0] - loss.item()) < 1e-6
+    cont = continuation_mask(sample_splits(b["labels"], b["split"], min_context=8,
+                                           generator=step_generator(0, 0)), 40)  # fmt: skip
+    assert res.tokens == int((cont & (b["labels"] != -100)).sum())

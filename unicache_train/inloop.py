@@ -25,6 +25,10 @@ LightningModule, the evaluation and the benchmark.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +44,8 @@ __all__ = [
     "masked_lm_loss",
     "masked_nll",
     "compression_kl",
+    "InloopLoss",
+    "inloop_loss",
     "curriculum_scale",
     "set_rate_scale",
     "step_generator",
@@ -156,6 +162,75 @@ def compression_kl(
     out = F.log_softmax(logits[mask].float() / temperature, dim=-1)  # [N, V]
     kl = F.kl_div(out, ref, log_target=True, reduction="sum")
     return kl * temperature**2 / max(int(mask.sum()), 1)
+
+
+@dataclass
+class InloopLoss:
+    """One batch's in-loop objective (see :func:`inloop_loss`)."""
+
+    loss: torch.Tensor  # [] lm + kl_weight * kl
+    lm: torch.Tensor  # [] the LM term
+    kl: torch.Tensor | None  # [] the KL term, None when kl_weight is 0
+    split: torch.Tensor  # [B] the context/continuation splits used
+    targets: torch.Tensor  # [B, T] bool: labelled positions that count in the LM term
+    output: Any  # the model's output (logits, compression_stats, ...)
+
+
+def inloop_loss(
+    forward: Callable[..., Any],
+    batch: dict[str, torch.Tensor],
+    compressor: KVCompressor,
+    *,
+    generator: torch.Generator,
+    split_mode: str = "data",
+    min_context: int = 16,
+    loss_on: str = "continuation",
+    kl_weight: float = 0.0,
+    kl_temperature: float = 1.0,
+    step: int | None = None,
+) -> InloopLoss:
+    """The training objective with ``compressor`` in the loop, for one batch: the one definition
+    shared by the LightningModule (:meth:`LMModule.compressed_loss
+    <unicache_train.train.module.LMModule.compressed_loss>`) and the plain loop
+    (:func:`unicache_train.train.loop.train_steps`).
+
+    Per-sample splits (:func:`sample_splits`: the data's where it has one, else drawn from
+    ``generator``), one forward ``forward(batch, split=, compressor=, reference_logits=[, step=])``
+    with every layer's context K/V compressed, the LM loss on the continuation targets
+    (``loss_on="continuation"``) or on all of them (``"all"``), plus ``kl_weight`` times the KL of
+    the compressed continuation from the uncompressed one (the reference logits come from the
+    same forward).
+
+    Args:
+        forward: calls the model on a batch with keyword arguments (e.g.
+            ``lambda b, **kw: model(b["input_ids"], **kw)``).
+        batch: ``input_ids`` and ``labels`` [B, T] (-100 = no loss), optionally ``split`` [B].
+        step: the optimizer step, passed on to the model (a cross-layer compressor's refresh
+            schedule); None passes nothing.
+    """
+    if loss_on not in ("continuation", "all"):
+        raise ValueError(f"loss_on={loss_on!r} is not allowed; use 'continuation' or 'all'")
+    if kl_weight < 0:
+        raise ValueError(f"kl_weight={kl_weight} is out of range; allowed >= 0")
+    labels = batch["labels"]  # [B, T]
+    T = labels.shape[1]
+    split = sample_splits(
+        labels, batch.get("split"), mode=split_mode, min_context=min_context, generator=generator
+    )  # [B]
+    kwargs: dict[str, Any] = {"split": split, "compressor": compressor,
+                              "reference_logits": kl_weight > 0}  # fmt: skip
+    if step is not None:
+        kwargs["step"] = step
+    out = forward(batch, **kwargs)
+    cont = continuation_mask(split, T)  # [B, T]
+    lm = masked_lm_loss(out.logits, labels, cont if loss_on == "continuation" else None)
+    mask = cont if loss_on == "continuation" else torch.ones_like(cont)
+    loss, kl = lm, None
+    if kl_weight > 0:
+        kl = compression_kl(out.reference_logits, out.logits, cont & (labels != IGNORE_INDEX),
+                            kl_temperature)  # fmt: skip
+        loss = lm + kl_weight * kl
+    return InloopLoss(loss, lm, kl, split, mask & (labels != IGNORE_INDEX), out)
 
 
 def curriculum_scale(step: int, curriculum_steps: int, final: float = 1.0) -> float:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from unicache_train.config import TrainConfig
-from unicache_train.inloop import continuation_mask, masked_lm_loss, sample_splits, step_generator
+from unicache_train.inloop import inloop_loss, step_generator
 from unicache_train.model.loss import causal_lm_loss
 from unicache_train.train.module import warmup_cosine
 
@@ -61,8 +61,9 @@ def train_steps(
     the cosine floor ``train.min_lr_ratio`` from ``train``; the learning rate ``lr`` and warmup
     are given (a healing run's, not the config's pretraining values).
 
-    With ``compressor`` each step is the in-loop objective of
-    :class:`~unicache_train.train.module.LMModule` without its KL term: per-sample splits
+    With ``compressor`` each step is the in-loop objective
+    (:func:`unicache_train.inloop.inloop_loss`, the LightningModule's, without its KL term):
+    per-sample splits
     (``batch["split"]`` where the data has one, else sampled; at least ``min_context`` context
     tokens, seeded by ``seed`` and the step), the context's K/V compressed at every layer, the
     loss on the continuation tokens only.
@@ -95,20 +96,18 @@ def train_steps(
         labels = batch["labels"]
         if compressor is None:
             loss = causal_lm_loss(model(batch["input_ids"]).logits, labels)
+            counted = int((labels != -100).sum())
         else:
-            split = sample_splits(labels, batch.get("split"), mode="data",
-                                  min_context=min_context, generator=step_generator(seed, step))
-            logits = model(batch["input_ids"], split=split, compressor=compressor).logits
-            cont = continuation_mask(split, labels.shape[1])  # [B, T]
-            labels = torch.where(cont, labels, -100)
-            loss = masked_lm_loss(logits, labels, cont)  # fmt: skip
+            res = inloop_loss(lambda b, **kw: model(b["input_ids"], **kw), batch, compressor,
+                              generator=step_generator(seed, step), min_context=min_context)
+            loss, counted = res.loss, int(res.targets.sum())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if train.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         opt.step()
         out.losses.append(loss.item())
-        out.tokens += int((labels != -100).sum())
+        out.tokens += counted
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{out.losses[-1]:.3f}")

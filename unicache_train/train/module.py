@@ -13,12 +13,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from unicache_train.config import RunConfig
 from unicache_train.inloop import (
-    IGNORE_INDEX,
     build_compressor,
-    compression_kl,
     continuation_mask,
     curriculum_scale,
-    masked_lm_loss,
+    inloop_loss,
     masked_nll,
     sample_splits,
     set_rate_scale,
@@ -121,31 +119,23 @@ class LMModule(L.LightningModule):
         """
         cc = self.config.compress
         assert self.compressor is not None
-        ids, labels = batch["input_ids"], batch["labels"]  # [B, T]
-        T = ids.shape[1]
         scale = curriculum_scale(step, cc.curriculum_steps, cc.unicache.rate_scale)
         set_rate_scale(self.compressor, scale)
-        gen = step_generator(cc.seed, step, self.global_rank, micro)
-        split = sample_splits(
-            labels, batch.get("split"), mode=cc.split, min_context=cc.min_context, generator=gen
-        )  # [B]
         # The decoder returns the uncompressed logits for the KL term (from a cross-layer
         # compressor's recording pass when that is free, else one forward without gradient);
         # the step reaches a cross-layer compressor's fit (its basis refresh schedule).
-        out = self.model_forward(
-            batch, split=split, compressor=self.compressor, step=step,
-            reference_logits=cc.kl_weight > 0,
+        res = inloop_loss(
+            self.model_forward, batch, self.compressor,
+            generator=step_generator(cc.seed, step, self.global_rank, micro),
+            split_mode=cc.split, min_context=cc.min_context, loss_on=cc.loss_on,
+            kl_weight=cc.kl_weight, kl_temperature=cc.kl_temperature, step=step,
         )  # fmt: skip
-        cont = continuation_mask(split, T)  # [B, T]
-        lm = masked_lm_loss(out.logits, labels, cont if cc.loss_on == "continuation" else None)
-        logs = {"train/lm_loss": lm.detach(), "compress/rate_scale": torch.tensor(scale)}
-        loss = lm
-        if cc.kl_weight > 0:
-            targets = cont & (labels != IGNORE_INDEX)
-            kl = compression_kl(out.reference_logits, out.logits, targets, cc.kl_temperature)
-            loss = loss + cc.kl_weight * kl
-            logs["train/kl"] = kl.detach()
+        logs = {"train/lm_loss": res.lm.detach(), "compress/rate_scale": torch.tensor(scale)}
+        if res.kl is not None:
+            logs["train/kl"] = res.kl.detach()
+        out = res.output
         logs.update(layer_mean_stats(out.compression_stats))
+        loss = res.loss
         return loss, logs, out.compression_stats
 
     def _compressed_training_step(
