@@ -252,6 +252,7 @@ class UniCacheCompressor(ComposedCompressor):
             MergeEvict(**vars(cfg.merge_evict)),
             Quantize(**vars(cfg.quantize)),
         ]
+        self._quantize = steps[-1]  # also quantizes sliding windows (compress_window)
         imp = cfg.importance
         super().__init__(
             steps,
@@ -290,7 +291,7 @@ class UniCacheCompressor(ComposedCompressor):
         if not (q.windowed_layers and q.active):
             return None
         state = CompressionState.from_input(inp, 0.0)
-        state = Quantize(**vars(q))(state)
+        state = self._quantize(state)
         assert state.segment is not None
         state.segment.stats.update(segment_stats(state, self.cache_dtype_bytes))
         return state.segment
