@@ -54,6 +54,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import Case, machine_description, measure_peak_step_bytes  # noqa: E402
+from smollm2_study import (  # noqa: E402  (the main recipe's mix and evaluation settings)
+    RECALL_SEED,
+    RECALL_TASK,
+    TEXT_BLOCK,
+    TEXT_BLOCKS,
+    TEXT_CONTEXT,
+    training_data,
+)
 
 OUT = Path(__file__).resolve().parent / "results" / "smollm2_mhc"
 PROMPTS = (
@@ -64,16 +72,6 @@ PROMPTS = (
     "<|im_start|>user\nWhat is the largest planet in the solar system?<|im_end|>\n"
     "<|im_start|>assistant\n",
 )
-# The recipe's settings (recipes/smollm2_compress.yaml), repeated so that this script does not
-# depend on the recipe's YAML staying the same.
-RECALL_TASK = {"pairs": 8, "distractors": 0}
-TRAIN_TASKS = [
-    {"pairs": 8, "distractors": 0},
-    {"pairs": 16, "distractors": 0},
-    {"pairs": 12, "distractors": 2},
-]
-RECALL_SEED = 1_000_003
-TEXT_BLOCKS, TEXT_BLOCK, TEXT_CONTEXT = 8, 256, 192
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -220,18 +218,13 @@ def prefix_composite(mats: list[torch.Tensor], per_layer: int = 2) -> list[tuple
 
 def finetune(args, ckpt: Path, command: str) -> tuple[Trained, Trained, list, list]:
     from unicache_train.data.datamodule import LMDataModule
-    from unicache_train.data.recall_mix import write_recall_mix
-    from unicache_train.eval import RecallTask
     from unicache_train.monitor import mix_stats
     from unicache_train.train.from_hf import prepare_hf_run
 
     work = Path(args.work)
-    mix = write_recall_mix(work / "train_mix.jsonl", [RecallTask(**t) for t in TRAIN_TASKS],
-                           args.records_per_task, seed=0, text_fraction=0.4)  # fmt: skip
     run = {
-        "data": {"source": str(mix), "seq_len": args.seq_len, "batch_size": args.batch_size,
-                 "pack": False, "split_at": "question", "prompt_loss": False,
-                 "val_fraction": 0.02},
+        "data": training_data(work, ckpt, records_per_task=args.records_per_task,
+                              seq_len=args.seq_len, batch_size=args.batch_size),
         "train": {"max_steps": args.steps, "lr": args.lr, "warmup_steps": 4,
                   "weight_decay": 0.0, "accelerator": "cpu", "devices": 1},
         "logging": {"logger": "csv"},

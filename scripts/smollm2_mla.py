@@ -36,6 +36,15 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smollm2_study import (  # noqa: E402  (the main recipe's mix and evaluation settings)
+    RECALL_SEED,
+    RECALL_TASK,
+    TEXT_BLOCK,
+    TEXT_CONTEXT,
+    training_datamodule,
+)
+
 SOURCE_SIZE = "source"
 
 
@@ -74,9 +83,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from unicache_train.checkpoint.gguf import KNOWN, fetch
     from unicache_train.checkpoint.hf import import_hf
-    from unicache_train.config import DataConfig, TrainConfig
-    from unicache_train.data.datamodule import LMDataModule
-    from unicache_train.data.recall_mix import write_recall_mix
+    from unicache_train.config import TrainConfig
     from unicache_train.data.reference_text import reference_documents
     from unicache_train.data.tokenizer import load_tokenizer
     from unicache_train.eval import RecallTask, recall_records, run_recall, run_text_perplexity
@@ -92,23 +99,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tok = load_tokenizer(str(ckpt))
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    mix = write_recall_mix(
-        work / "train_mix.jsonl",
-        [RecallTask(8, 0), RecallTask(16, 0), RecallTask(12, 2)],
-        300, seed=0, text_fraction=0.4,
-    )  # fmt: skip  (the main recipe's training mix)
-    data = LMDataModule(DataConfig(
-        source=str(mix), tokenizer=str(ckpt), seq_len=args.seq_len, batch_size=args.batch_size,
-        pack=False, split_at="question", prompt_loss=False, val_fraction=0.02,
-    ))  # fmt: skip
-    data.setup()
+    data = training_datamodule(work, ckpt, seq_len=args.seq_len, batch_size=args.batch_size)
     train_cfg = TrainConfig(weight_decay=0.0)
     calib = text_blocks(tok, reference_documents("train"), 256, args.calib_seqs)
-    blocks = text_blocks(tok, reference_documents("heldout"), 256, args.text_blocks)
-    records = recall_records(RecallTask(pairs=8), args.num_recall, 1_000_003)
+    blocks = text_blocks(tok, reference_documents("heldout"), TEXT_BLOCK, args.text_blocks)
+    records = recall_records(RecallTask(**RECALL_TASK), args.num_recall, RECALL_SEED)
 
     def evaluate(model) -> dict:
-        text = run_text_perplexity(model, blocks, 192, IdentityCompressor())
+        text = run_text_perplexity(model, blocks, TEXT_CONTEXT, IdentityCompressor())
         rec = run_recall(model, tok, records, IdentityCompressor(), batch_size=8)
         return {"ppl": text.perplexity, "ppl_se": text.ppl_stderr, "recall": rec.accuracy,
                 "recall_se": rec.stderr, "n_recall": rec.n}  # fmt: skip

@@ -25,6 +25,15 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smollm2_study import (  # noqa: E402  (the main recipe's mix and evaluation settings)
+    RECALL_SEED,
+    RECALL_TASK,
+    TEXT_BLOCK,
+    TEXT_CONTEXT,
+    training_datamodule,
+)
+
 QUANT = {"unicache": "int8", "unicache_q4": "int4", "unicache_fp": None}
 
 
@@ -84,10 +93,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model.eval()
     conv = src_elems / kv_elements_per_token(config)  # the conversion's reduction
     tok = load_tokenizer(str(ckpt))
-    blocks = text_blocks(tok, reference_documents("heldout"), 256, args.text_blocks)
-    records = recall_records(RecallTask(pairs=8), args.num_recall, 1_000_003)
+    blocks = text_blocks(tok, reference_documents("heldout"), TEXT_BLOCK, args.text_blocks)
+    records = recall_records(RecallTask(**RECALL_TASK), args.num_recall, RECALL_SEED)
     calib = blocks[:2]
-    split = torch.full((2,), 192, dtype=torch.long)
+    split = torch.full((2,), TEXT_CONTEXT, dtype=torch.long)
     label = args.label or stem.name
     rows: list[dict] = []
     out = Path(args.out)
@@ -103,7 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(row, f"[{time.time() - t0:.0f}s]", flush=True)
 
     def evaluate(name, target, rate, build) -> None:
-        text = run_text_perplexity(model, blocks, 192, build())
+        text = run_text_perplexity(model, blocks, TEXT_CONTEXT, build())
         rec = run_recall(model, tok, records, build(), batch_size=8)
         emit({"model": label, "setting": name, "target_vs_source": target, "rate": rate,
               "kv_reduction_vs_latent": rec.kv_reduction,
@@ -134,19 +143,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     evaluate_all()
     if args.finetune_steps and calibrated:
-        from unicache_train.config import DataConfig, TrainConfig
-        from unicache_train.data.datamodule import LMDataModule
-        from unicache_train.data.recall_mix import write_recall_mix
+        from unicache_train.config import TrainConfig
         from unicache_train.train.loop import endless, train_steps
 
-        work = stem.parent
-        mix = write_recall_mix(work / "train_mix.jsonl",
-                               [RecallTask(8, 0), RecallTask(16, 0), RecallTask(12, 2)], 300,
-                               seed=0, text_fraction=0.4)  # fmt: skip
-        data = LMDataModule(DataConfig(source=str(mix), tokenizer=str(ckpt), seq_len=192,
-                                       batch_size=4, pack=False, split_at="question",
-                                       prompt_loss=False, val_fraction=0.02))  # fmt: skip
-        data.setup()
+        data = training_datamodule(stem.parent, ckpt)
         name, _, _, cfg = calibrated[0]
         res = train_steps(model, endless(data.train_dataloader), args.finetune_steps, args.lr,
                           max(1, args.finetune_steps // 8), TrainConfig(weight_decay=0.0),
