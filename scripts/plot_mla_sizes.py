@@ -1,0 +1,82 @@
+"""Plot SmolLM2 -> MLA at several latent sizes: held-out perplexity and recall against the KV
+elements per token and layer, converted and healed, beside the source and the source fine-tuned
+the same steps (the rows of ``scripts/smollm2_mla.py``).
+
+    python scripts/plot_mla_sizes.py scripts/results/smollm2_mla/mla.csv \\
+        scripts/results/smollm2_mla/mla_sizes.csv --out scripts/results/smollm2_mla/mla_sizes.png
+
+Rows of the same (size, rope selection, stage) in several files: the last one wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+
+def read_rows(paths: list[Path]) -> list[dict]:
+    rows: dict[tuple, dict] = {}
+    for path in paths:
+        lines = [ln for ln in path.read_text().splitlines() if not ln.startswith("#")]
+        for r in csv.DictReader(lines):
+            rows[(r["size"], r["rope_selection"], r["stage"])] = r
+    return list(rows.values())
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("csvs", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, default=Path("scripts/results/smollm2_mla/mla_sizes.png"))
+    args = ap.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(args.csvs)
+    fig, (ax_p, ax_r) = plt.subplots(1, 2, figsize=(10, 4))
+    styles = {"converted": ("o", "tab:red"), "healed": ("s", "tab:blue"),
+              "before": ("*", "black"), "fine-tuned": ("D", "tab:green")}  # fmt: skip
+    labels = {"converted": "MLA, converted", "before": "source (GQA)",
+              "fine-tuned": "source + the same steps"}  # fmt: skip
+    groups = [(stage, sel) for stage in styles for sel in ("", "weighted", "2norm")]
+    for stage, selection in groups:
+        marker, color = styles[stage]
+        sel = [r for r in rows if r["stage"] == stage and r["rope_selection"] == selection]
+        sel.sort(key=lambda r: float(r["kv_elements"]))
+        if not sel:
+            continue
+        label = labels.get(stage, f"MLA, healed {sel[0]['heal_steps']} steps")
+        if selection == "2norm":  # MHA2MLA's 2-norm RoPE selection: its own colours
+            label = f"{label} (2-norm RoPE)"
+            color = "tab:purple" if stage == "healed" else "tab:orange"
+        x = [float(r["kv_elements"]) for r in sel]
+        for ax, key in ((ax_p, "ppl"), (ax_r, "recall")):
+            y = [float(r[key]) for r in sel]
+            err = [float(r[f"{key}_se"] or 0) for r in sel]
+            ax.errorbar(x, y, yerr=err, fmt=marker, color=color, label=label, capsize=3,
+                        linestyle="-" if stage in ("converted", "healed") else "none")  # fmt: skip
+        for r in sel:
+            if r["size"] != "source":
+                ax_p.annotate(r["size"], (float(r["kv_elements"]), float(r["ppl"])),
+                              textcoords="offset points", xytext=(4, 4), fontsize=7)  # fmt: skip
+    ax_p.set_yscale("log")
+    ax_p.set_ylabel("held-out perplexity (log)")
+    ax_r.set_ylabel("8-pair recall (held-out seeds)")
+    ax_r.set_ylim(-0.05, 1.05)
+    for ax in (ax_p, ax_r):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV elements per token and layer (log2)")
+        ax.grid(alpha=0.3)
+    ax_r.legend(fontsize=8, loc="center left")
+    fig.suptitle("SmolLM2-135M GQA -> MLA: error bars are standard errors")
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return args.out
+
+
+if __name__ == "__main__":
+    main()
