@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "kv_reduction": src_elems / elems, "rope_selection": args.rope_selection,
                 "rope_stride": report.rope_stride, "convert_s": round(conv_s, 1)}  # fmt: skip
         emit({**meta, "stage": "converted", "heal_steps": 0, **evaluate(mla)})
+        if args.heal_steps == 0:  # conversion only (e.g. what the construction alone costs)
+            continue
         info = heal(mla, f"{R}+{Dr}")
         emit({**meta, "stage": "healed", **info, **evaluate(mla)})
         if args.save_dir:
