@@ -2,10 +2,11 @@
 elements per token and layer, converted and healed, beside the source and the source fine-tuned
 the same steps (the rows of ``scripts/smollm2_mla.py``).
 
-    python scripts/plot_mla_sizes.py scripts/results/smollm2_mla/mla.csv \\
-        scripts/results/smollm2_mla/mla_sizes.csv --out scripts/results/smollm2_mla/mla_sizes.png
+    python scripts/plot_mla_sizes.py scripts/results/smollm2_mla/mla*.csv \\
+        --out scripts/results/smollm2_mla/mla_sizes.png
 
-Rows of the same (size, rope selection, stage) in several files: the last one wins.
+Rows of the same (size, rope selection, stage, steps) in several files: the last one wins;
+files that are not ``smollm2_mla.py`` tables (``mla_compress*.csv``) are skipped.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ def read_rows(paths: list[Path]) -> list[dict]:
     rows: dict[tuple, dict] = {}
     for path in paths:
         lines = [ln for ln in path.read_text().splitlines() if not ln.startswith("#")]
-        for r in csv.DictReader(lines):
-            rows[(r["size"], r["rope_selection"], r["stage"])] = r
+        reader = csv.DictReader(lines)
+        if not {"size", "stage", "kv_elements"} <= set(reader.fieldnames or ()):
+            print(f"{path}: not a smollm2_mla.py table; skipped")
+            continue
+        for r in reader:
+            rows[(r["size"], r["rope_selection"], r["stage"], r["heal_steps"])] = r
     return list(rows.values())
 
 
@@ -36,21 +41,26 @@ def main(argv: list[str] | None = None) -> Path:
 
     rows = read_rows(args.csvs)
     fig, (ax_p, ax_r) = plt.subplots(1, 2, figsize=(10, 4))
-    styles = {"converted": ("o", "tab:red"), "healed": ("s", "tab:blue"),
-              "before": ("*", "black"), "fine-tuned": ("D", "tab:green")}  # fmt: skip
-    labels = {"converted": "MLA, converted", "before": "source (GQA)",
-              "fine-tuned": "source + the same steps"}  # fmt: skip
-    groups = [(stage, sel) for stage in styles for sel in ("", "weighted", "2norm")]
-    for stage, selection in groups:
-        marker, color = styles[stage]
-        sel = [r for r in rows if r["stage"] == stage and r["rope_selection"] == selection]
+    markers = {"converted": "o", "healed": "s", "before": "*", "fine-tuned": "D"}
+    palette = iter(["tab:blue", "tab:purple", "tab:cyan", "tab:olive", "tab:brown", "tab:pink"])
+    fixed = {("converted", "weighted"): "tab:red", ("converted", "2norm"): "tab:orange",
+             ("before", ""): "black"}  # fmt: skip
+    groups = sorted({(r["stage"], r["rope_selection"], int(r["heal_steps"])) for r in rows},
+                    key=lambda g: (list(markers).index(g[0]), g[1], g[2]))  # fmt: skip
+    for stage, selection, steps in groups:
+        sel = [r for r in rows if (r["stage"], r["rope_selection"], int(r["heal_steps"]))
+               == (stage, selection, steps)]  # fmt: skip
         sel.sort(key=lambda r: float(r["kv_elements"]))
-        if not sel:
-            continue
-        label = labels.get(stage, f"MLA, healed {sel[0]['heal_steps']} steps")
-        if selection == "2norm":  # MHA2MLA's 2-norm RoPE selection: its own colours
+        marker = markers[stage]
+        color = fixed.get((stage, selection)) or ("tab:green" if stage == "fine-tuned"
+                                                  else next(palette))  # fmt: skip
+        label = {"converted": "MLA, converted", "before": "source (GQA)",
+                 "fine-tuned": f"source + {steps} steps",
+                 "healed": f"MLA, healed {steps} steps"}[stage]  # fmt: skip
+        if selection == "2norm":  # MHA2MLA's 2-norm RoPE selection
             label = f"{label} (2-norm RoPE)"
-            color = "tab:purple" if stage == "healed" else "tab:orange"
+        if stage == "fine-tuned" and steps != 30:
+            color = "darkgreen"
         x = [float(r["kv_elements"]) for r in sel]
         for ax, key in ((ax_p, "ppl"), (ax_r, "recall")):
             y = [float(r[key]) for r in sel]
