@@ -101,8 +101,11 @@ def test_teacher_forced_decoding_equals_inloop_forward(case: str, monkeypatch) -
         removed = [float(s["rate_realized"]) for s in ref.compression_stats]
         assert sum(removed) / LAYERS > 0.5
     if "int" in case:
-        for seg in cache.segments:  # packed once: the values' payload is the keys'
-            assert seg.quant.latent and seg.quant.v_data is seg.quant.k_data and seg.keys is None
+        for seg in cache.segments:  # packed once, in two parts: c_kv (R) and k_pe (DR)
+            q = seg.quant
+            assert q.latent and seg.keys is None
+            per = 1 if q.bits == 8 else 2  # values per stored byte
+            assert q.v_data.shape[-1] == -(-R // per) and q.k_data.shape[-1] == -(-DR // per)
     if case.startswith("xkv"):
         assert all(seg.lowrank is not None and seg.lowrank.token_v is None
                    for seg in cache.segments)  # fmt: skip
@@ -133,11 +136,13 @@ def _unpack_by_hand(data: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     return torch.where(both >= 8, both - 16, both)
 
 
-@pytest.mark.parametrize("bits,granularity", [(8, "token_head"), (4, "head")])
+@pytest.mark.parametrize("bits,granularity",
+                         [(8, "token_head"), (4, "head"), (4, "token_head")])  # fmt: skip
 def test_stored_latent_is_what_the_inloop_forward_attended_and_its_bytes(bits, granularity):
     """The packed bytes, dequantized by hand, are the in-loop segment's keys, and their first R
-    features its values (one quantization of the latent); the bytes are counted independently:
-    valid entries x (R + DR) payload elements at the storage width, plus fp16 scales."""
+    features its values (one quantization of the latent, c_kv and k_pe with their own scales);
+    the bytes are counted independently: valid entries x (R + DR) payload elements at the
+    storage width, plus one fp16 scale per part (per entry, or per sample with "head")."""
     model = mla_model(2)
     ids = torch.randint(0, VOCAB, (2, 40))
     split = torch.tensor([36, 27])
@@ -148,22 +153,27 @@ def test_stored_latent_is_what_the_inloop_forward_attended_and_its_bytes(bits, g
     cache, _ = prefill_compressed(model, ids, split, comp)
     width = R + DR
     total = 0
+
+    def by_hand(data, scale, w):
+        ints = _unpack_by_hand(data, bits, w).double()  # [B, 1, M, w]
+        scale = scale.double()
+        scale = scale[..., None] if granularity == "token_head" else scale[:, :, None, None]
+        return ints * torch.where(scale > 0, scale, 1.0)
+
     for layer, st in enumerate(out.compression_stats):
         inloop, stored = rec.segments[layer], cache.segments[layer]
         assert inloop.latent and torch.equal(inloop.values, inloop.keys[..., :R])
         q = stored.quant
-        ints = _unpack_by_hand(q.k_data, bits, width).double()  # [B, 1, M, R + DR]
-        scale = q.k_scale.double()
-        scale = scale[..., None] if granularity == "token_head" else scale[:, :, None, None]
-        latent = ints * torch.where(scale > 0, scale, 1.0)
+        latent = torch.cat([by_hand(q.v_data, q.v_scale, R), by_hand(q.k_data, q.k_scale, DR)],
+                           -1)  # fmt: skip
         vm = inloop.valid[:, None, :, None]
         torch.testing.assert_close(latent * vm, inloop.keys.double() * vm, atol=0, rtol=0)
         torch.testing.assert_close(latent[..., :R] * vm, inloop.values.double() * vm,
                                    atol=0, rtol=0)  # fmt: skip
         n = int(stored.valid.sum())  # entries kept over the batch
-        payload = width if bits == 8 else math.ceil(width / 2)
-        scales = 2 * n if granularity == "token_head" else 2 * int((stored.valid.sum(1) > 0).sum())
-        layer_bytes = n * payload + scales
+        payload = width if bits == 8 else math.ceil(R / 2) + math.ceil(DR / 2)
+        per_part = n if granularity == "token_head" else int((stored.valid.sum(1) > 0).sum())
+        layer_bytes = n * payload + 2 * 2 * per_part  # two fp16 scales: c_kv's, k_pe's
         assert float(st["kv_bytes"]) == layer_bytes == stored.payload_bytes()
         want = int(split.sum()) * width * 2 / layer_bytes  # 16-bit latent / stored
         assert float(st["kv_reduction"]) == pytest.approx(want, rel=1e-6)
@@ -234,3 +244,35 @@ def test_unsupported_combinations_fail_with_clear_errors() -> None:
         model(ids[:, 16:17], positions=torch.tensor([[16]]), cache=gqa_view)
     with pytest.raises(ValueError, match="no sliding windows"):
         CompressedKVCache(LAYERS, windows=[4, None, None], latent=True)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_loud_rope_key_does_not_flatten_the_latent(bits):
+    """c_kv and k_pe get their own scales: with k_pe 50x louder than the normed c_kv, each part's
+    error stays within half its own step (max |part| / qmax / 2 per entry), where one shared
+    scale would round c_kv to a few levels (int4: mostly to zero)."""
+    from unicache_train.compress.quantize import Quantize
+    from unicache_train.compress.state import CompressionState
+    from unicache_train.seam import CompressionInput
+
+    g = torch.Generator().manual_seed(0)
+    B, T = 2, 12
+    c_kv = torch.randn(B, 1, T, R, generator=g)
+    k_pe = 50 * torch.randn(B, 1, T, DR, generator=g)
+    keys = torch.cat([c_kv, k_pe], -1)
+    inp = CompressionInput(
+        layer_idx=0, num_layers=1, queries=torch.randn(B, 2, T, R + DR, generator=g), keys=keys,
+        values=keys[..., :R], positions=torch.arange(T).expand(B, T),
+        modality_ids=torch.zeros(B, T, dtype=torch.long),
+        context_mask=torch.ones(B, T, dtype=torch.bool), latent=True,
+    )  # fmt: skip
+    state = Quantize(bits=bits)(CompressionState.from_input(inp, 0.0))
+    seg = state.segment
+    qmax = 2 ** (bits - 1) - 1
+    for part, got in ((c_kv, seg.keys[..., :R]), (k_pe, seg.keys[..., R:])):
+        step = part.abs().amax(-1, keepdim=True) / qmax  # [B, 1, T, 1]
+        assert bool(((got - part).abs() <= step / 2 * (1 + 1e-2) + 1e-6).all())
+    assert torch.equal(seg.values, seg.keys[..., :R])
+    shared = keys.abs().amax(-1, keepdim=True) / qmax  # what one scale per vector would give
+    if bits == 4:
+        assert float((torch.round(c_kv / shared) == 0).float().mean()) > 0.8

@@ -84,9 +84,12 @@ class QuantizedKV:
         v_scale: as ``k_scale``.
         head_dim: D of the keys (needed to unpack an odd D from int4).
         value_dim: D of the values when it differs from the keys' (MLA: latent rank), else None.
-        latent: MLA's latent cache quantized once: the values are the first ``value_dim``
-            features of the dequantized keys, ``v_data``/``v_scale`` are ``k_data``/``k_scale``
-            themselves (no second copy, and :func:`stored_kv_bytes` counts one).
+        latent: MLA's latent cache ``[c_kv ‖ k_pe]``, stored once in two parts with their own
+            scales: ``v_data``/``v_scale`` hold its first ``value_dim`` features (``c_kv``, which
+            are also the values), ``k_data``/``k_scale`` the remaining ``head_dim - value_dim``
+            (``k_pe``). The dequantized keys are the two parts concatenated, the values a view of
+            the first. (One scale over both would let the RoPE key's range, often far above the
+            normed ``c_kv``'s, flatten ``c_kv`` to a few levels at int4.)
     """
 
     bits: int
@@ -128,10 +131,11 @@ def dequantize(quant: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
         return q.float() * s
 
     v_dim = quant.value_dim if quant.value_dim is not None else quant.head_dim
-    k = one(quant.k_data, quant.k_scale, quant.head_dim)
-    if quant.latent:
+    if quant.latent:  # [c_kv ‖ k_pe], each part with its own scales
+        c = one(quant.v_data, quant.v_scale, v_dim)
+        k = torch.cat([c, one(quant.k_data, quant.k_scale, quant.head_dim - v_dim)], -1)
         return k, k[..., :v_dim]
-    return k, one(quant.v_data, quant.v_scale, v_dim)
+    return one(quant.k_data, quant.k_scale, quant.head_dim), one(quant.v_data, quant.v_scale, v_dim)
 
 
 @dataclass
@@ -549,7 +553,7 @@ def stored_kv_bytes(
         lowrank: the low-rank factors, if any (they carry their own widths).
         latent: the values are the keys' first ``D_v`` features and are not stored again (MLA's
             latent cache, :attr:`KVSegment.latent`); K and V changed apart are both stored.
-            Packed storage says it itself (:attr:`QuantizedKV.latent`: one payload and scale).
+            Packed storage says it itself (:attr:`QuantizedKV.latent`: the latent's two parts).
         dtype_bytes: bytes per floating element.
 
     Returns:
@@ -562,10 +566,8 @@ def stored_kv_bytes(
     if quant is None:
         return g * n * kv_width(key_dim, value_dim, latent) * dtype_bytes
     total = torch.zeros_like(n)
-    pairs = [(quant.k_data, quant.k_scale)]
-    if not quant.latent:  # values quantized apart: their own payload and scales
-        pairs.append((quant.v_data, quant.v_scale))
-    for data, scale in pairs:
+    # K and V, or a latent's two parts (c_kv, k_pe): each its own payload and scales
+    for data, scale in ((quant.k_data, quant.k_scale), (quant.v_data, quant.v_scale)):
         payload = data.shape[-1] * data.element_size()  # bytes per stored vector
         if quant.granularity == "token_head":
             total = total + g * n * (payload + scale.element_size())

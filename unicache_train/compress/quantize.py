@@ -86,8 +86,9 @@ class Quantize(QuantizeConfig):
 
     Makes the identity segment first when no earlier step emitted one. An MLA latent segment
     (:attr:`~unicache_train.seam.KVSegment.latent`: values = the keys' first features) is
-    quantized once, one scale per latent vector ``[c_kv ‖ k_pe]``, and its values stay the
-    dequantized keys' first features (:attr:`~unicache_train.seam.QuantizedKV.latent`).
+    quantized once, ``c_kv`` and ``k_pe`` each with their own scales (the RoPE key's range is
+    often far above the normed ``c_kv``'s), and its values stay the dequantized keys' first
+    features (:attr:`~unicache_train.seam.QuantizedKV.latent`).
     """
 
     stage: ClassVar[int] = 7
@@ -100,14 +101,20 @@ class Quantize(QuantizeConfig):
         sdt = _DTYPES[self.scale_dtype]
         bits = int(self.bits)  # type: ignore[arg-type]
         dv = seg.values.shape[-1]
-        seg.keys, kq, ks = quantize_symmetric(seg.keys, seg.valid, bits, self.granularity, sdt)
-        if seg.latent:  # MLA: quantize the latent once; the values are its first features
-            kq = pack_int4(kq) if bits == 4 else kq
+        if seg.latent:  # MLA: the latent once, c_kv and k_pe with their own scales
+            c, cq, cs = quantize_symmetric(seg.keys[..., :dv], seg.valid, bits, self.granularity,
+                                           sdt)  # fmt: skip
+            pe, pq, ps = quantize_symmetric(seg.keys[..., dv:], seg.valid, bits, self.granularity,
+                                            sdt)  # fmt: skip
+            if bits == 4:
+                cq, pq = pack_int4(cq), pack_int4(pq)
+            seg.keys = torch.cat([c, pe], -1)
             seg.values = seg.keys[..., :dv]
-            seg.quant = QuantizedKV(bits, self.granularity, kq, kq, ks, ks, seg.keys.shape[-1],
+            seg.quant = QuantizedKV(bits, self.granularity, pq, cq, ps, cs, seg.keys.shape[-1],
                                     dv, latent=True)  # fmt: skip
             state.segment = seg
             return state
+        seg.keys, kq, ks = quantize_symmetric(seg.keys, seg.valid, bits, self.granularity, sdt)
         seg.values, vq, vs = quantize_symmetric(seg.values, seg.valid, bits, self.granularity, sdt)
         if bits == 4:
             kq, vq = pack_int4(kq), pack_int4(vq)

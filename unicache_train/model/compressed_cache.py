@@ -69,7 +69,8 @@ class StoredSegment:
         positions: [B, M] entry positions (read by ``lowrank`` pre-RoPE keys and by a sliding
             window).
         latent: the values are the keys' first ``value_dim`` features (MLA's latent, stored
-            once: ``values`` is a view of ``keys``, packed storage holds one payload).
+            once: ``values`` is a view of ``keys``; packed storage holds it in two parts, ``c_kv``
+            and ``k_pe`` with their own scales).
         key_dim, value_dim: ``D_k``, ``D_v`` of the attention view (the byte baseline's widths).
     """
 
@@ -132,7 +133,7 @@ class StoredSegment:
         if seg.quant is not None:
             q = seg.quant
             k_data, k_scale = take(q.k_data), take(q.k_scale)
-            v_data, v_scale = (k_data, k_scale) if q.latent else (take(q.v_data), take(q.v_scale))
+            v_data, v_scale = take(q.v_data), take(q.v_scale)
             quant = QuantizedKV(
                 q.bits, q.granularity, k_data, v_data, k_scale, v_scale, q.head_dim, q.value_dim,
                 latent=q.latent,
