@@ -34,7 +34,12 @@ from smollm2_study import (  # noqa: E402  (the main recipe's mix and evaluation
     training_datamodule,
 )
 
-QUANT = {"unicache": "int8", "unicache_q4": "int4", "unicache_fp": None}
+# METHOD -> (storage, scale granularity); "_ch": one scale per latent feature over the segment
+# (the PCA latent's leading features are ~10x its median one: per-vector int4 scales round the
+# quiet features to zero)
+QUANT = {"unicache": ("int8", "token_head"), "unicache_q4": ("int4", "token_head"),
+         "unicache_q4_ch": ("int4", "channel"), "unicache_ch": ("int8", "channel"),
+         "unicache_fp": (None, "token_head")}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -71,6 +76,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from unicache_train.checkpoint.gguf import KNOWN, fetch
     from unicache_train.checkpoint.hf import import_hf
     from unicache_train.compress import UniCacheCompressor
+    from unicache_train.compress.config import UniCacheConfig
     from unicache_train.config import ModelConfig
     from unicache_train.data.reference_text import reference_documents
     from unicache_train.data.tokenizer import load_tokenizer
@@ -80,6 +86,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from unicache_train.model import Decoder
     from unicache_train.model.convert_mla import kv_elements_per_token
     from unicache_train.seam import IdentityCompressor
+
+    def latent_unicache(rate: float, quant: str | None, granularity: str) -> UniCacheConfig:
+        d = text_unicache(rate, 0, quant).to_dict()
+        d["quantize"]["granularity"] = granularity
+        return UniCacheConfig.from_dict(d)
 
     t0 = time.time()
     ckpt = fetch(args.checkpoint) if args.checkpoint in KNOWN else Path(args.checkpoint)
@@ -123,18 +134,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     calibrated = []  # (name, target, rate, config)
     for method, red in settings:
         on_latent = red / conv
-        quant = QUANT[method]
+        quant, granularity = QUANT[method]
         if on_latent <= 1.0:
             print(f"{method}@{red}: the conversion alone gives {conv:.2f}x; skipped")
             continue
         with torch.no_grad():
             rate, got = rate_for_reduction(
-                model, calib, split, lambda r, q=quant: UniCacheCompressor(text_unicache(r, 0, q)),
+                model, calib, split,
+                lambda r, q=quant, g=granularity: UniCacheCompressor(latent_unicache(r, q, g)),
                 on_latent,
             )  # fmt: skip
         print(f"{method}@{red}: rate {rate:.3f}, calibrated {got * conv:.2f}x vs source",
               flush=True)  # fmt: skip
-        calibrated.append((f"{method}@{red:g}", red, rate, text_unicache(rate, 0, quant)))
+        calibrated.append((f"{method}@{red:g}", red, rate,
+                           latent_unicache(rate, quant, granularity)))  # fmt: skip
 
     def evaluate_all() -> None:
         evaluate("none", conv, 0.0, IdentityCompressor)

@@ -333,7 +333,7 @@ def test_long_video_merges_same_patch_across_frames() -> None:
 
 
 # ------------------------------------------------------------------------------- quantize
-@pytest.mark.parametrize("granularity", ["token_head", "head"])
+@pytest.mark.parametrize("granularity", ["token_head", "head", "channel"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_per_head_scales_isolate_a_loud_head(bits: int, granularity: str) -> None:
     g = torch.Generator().manual_seed(0)
@@ -346,17 +346,42 @@ def test_per_head_scales_isolate_a_loud_head(bits: int, granularity: str) -> Non
     # Head 1 is quantized exactly as if head 0 were quiet.
     assert torch.equal(q_loud[:, 1], q_alone[:, 1])
     qmax = 2 ** (bits - 1) - 1
-    amax = (
-        x[:, 1].abs().amax(-1, keepdim=True)
-        if granularity == "token_head"
-        else (x[:, 1].abs().amax(dim=(-2, -1), keepdim=True))
-    )
+    amax = {
+        "token_head": lambda: x[:, 1].abs().amax(-1, keepdim=True),
+        "channel": lambda: x[:, 1].abs().amax(-2, keepdim=True),
+        "head": lambda: x[:, 1].abs().amax(dim=(-2, -1), keepdim=True),
+    }[granularity]()
     err = (q_loud[:, 1] - x[:, 1]).abs()
     assert (err <= amax / qmax * 0.5 * (1 + 1e-2) + 1e-3).all()
     # A global scale (the pitfall) would wipe head 1 out.
     s_glob = loud.abs().max() / qmax
     glob = (loud[:, 1] / s_glob).round().clamp(-qmax, qmax) * s_glob
     assert (glob - x[:, 1]).abs().mean() > 5 * err.mean()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_channel_scales_keep_quiet_features_that_a_vector_scale_rounds_away(bits: int) -> None:
+    """Features 100x apart (an MLA latent from a PCA conversion: leading directions ~10x the
+    median): with ``channel`` every feature's error is within half its own step, where one scale
+    per vector rounds the quiet features to zero at int4."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 1, 32, 16, generator=g)
+    x[..., :2] *= 100.0  # two loud features
+    valid = torch.ones(2, 32, dtype=torch.bool)
+    valid[1, 20:] = False  # padding: excluded from the channel maxima
+    loud = x.clone()
+    loud[1, :, 20:] = 1e4  # what padding holds must not matter
+    xq, q, scale = quantize_symmetric(loud, valid, bits, "channel")
+    assert scale.shape == (2, 1, 16)
+    qmax = 2 ** (bits - 1) - 1
+    vm = valid[:, None, :, None]
+    step = (x * vm).abs().amax(-2, keepdim=True) / qmax  # [B, 1, 1, D]
+    err = ((xq - x) * vm).abs()
+    assert bool((err <= step / 2 * (1 + 1e-2) + 1e-6).all())
+    assert bool((xq * ~vm == 0).all())
+    per_vector, _, _ = quantize_symmetric(x, valid, bits, "token_head")
+    quiet = (slice(None), slice(None), slice(None), slice(2, None))
+    assert float(((per_vector - x) * vm)[quiet].abs().mean()) > 3 * float(err[quiet].mean())
 
 
 def test_int4_pack_roundtrip_and_storage_matches_attention_view() -> None:
@@ -366,7 +391,7 @@ def test_int4_pack_roundtrip_and_storage_matches_attention_view() -> None:
     assert packed.dtype == torch.uint8 and packed.shape[-1] == 4
     assert torch.equal(unpack_int4(packed, 7), q)
     inp = make_input()
-    for bits, gran in ((4, "token_head"), (8, "head")):
+    for bits, gran in ((4, "token_head"), (8, "head"), (4, "channel")):
         cfg = UniCacheConfig(quantize=QuantizeConfig(bits=bits, granularity=gran))
         seg = UniCacheCompressor(cfg)(inp)
         k, v = dequantize(seg.quant)
@@ -375,7 +400,9 @@ def test_int4_pack_roundtrip_and_storage_matches_attention_view() -> None:
         torch.testing.assert_close(v * vm, seg.values * vm)
         D, H = inp.keys.shape[-1], inp.keys.shape[1]
         n = seg.valid.sum(1).double()
-        if bits == 4:
+        if gran == "channel":
+            want = 2 * H * n * (D // 2) + 2 * H * D * 2 * (n > 0)  # nibbles + fp16 per feature
+        elif bits == 4:
             want = 2 * H * n * (D // 2 + 2)  # packed nibbles + one fp16 scale per vector
         else:
             want = 2 * H * n * D + 2 * H * 2 * (n > 0)  # int8 + one fp16 scale per head
@@ -446,7 +473,7 @@ def test_fallback_uses_the_uncompressed_input(monkeypatch: pytest.MonkeyPatch) -
         (MergeEvictConfig, "merge_threshold", 0.3, "[0.5, 1.0]"),
         (MergeEvictConfig, "evict_threshold", 0.9, "[0.0, 0.8]"),
         (QuantizeConfig, "bits", 3, "[4, 8, 16, None]"),
-        (QuantizeConfig, "granularity", "tensor", "['token_head', 'head']"),
+        (QuantizeConfig, "granularity", "tensor", "['token_head', 'head', 'channel']"),
         (FallbackConfig, "lambda_align", -2.0, "[0.0, 10.0]"),
         (FallbackConfig, "max_rate", 0.3, "[0.4, 0.95]"),
         (UniCacheConfig, "target_rate", 0.99, "[0.0, 0.95]"),

@@ -89,8 +89,12 @@ def _stored_kv(seg, b: int, Hk: int, D: int) -> tuple[torch.Tensor, torch.Tensor
         if q.granularity == "head":
             ks, vs = ks[:, None].expand(-1, q.k_data.shape[2]), vs[:, None].expand(
                 -1, q.v_data.shape[2])
-        k = unpack(q.k_data[b], q.bits) * ks[..., None]
-        v = unpack(q.v_data[b], q.bits) * vs[..., None]
+        if q.granularity == "channel":  # [G, D]: one scale per feature over the entries
+            k = unpack(q.k_data[b], q.bits) * ks[:, None, :]
+            v = unpack(q.v_data[b], q.bits) * vs[:, None, :]
+        else:
+            k = unpack(q.k_data[b], q.bits) * ks[..., None]
+            v = unpack(q.v_data[b], q.bits) * vs[..., None]
     slot = seg.head_map[b]  # [Hk] stored copy of each KV head
     return k[slot], v[slot]
 
@@ -189,6 +193,10 @@ CASES = {
         False,
     ),
     "unicache_0.6_int8_head_merge": (lambda: UniCacheCompressor(unicache(0.6, 8)), True),
+    "unicache_0.6_int4_channel_scale": (
+        lambda: UniCacheCompressor(unicache(0.6, 4, granularity="channel")),
+        False,
+    ),
 }
 
 

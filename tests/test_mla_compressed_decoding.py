@@ -137,7 +137,8 @@ def _unpack_by_hand(data: torch.Tensor, bits: int, width: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits,granularity",
-                         [(8, "token_head"), (4, "head"), (4, "token_head")])  # fmt: skip
+                         [(8, "token_head"), (4, "head"), (4, "token_head"),
+                          (4, "channel")])  # fmt: skip
 def test_stored_latent_is_what_the_inloop_forward_attended_and_its_bytes(bits, granularity):
     """The packed bytes, dequantized by hand, are the in-loop segment's keys, and their first R
     features its values (one quantization of the latent, c_kv and k_pe with their own scales);
@@ -157,7 +158,8 @@ def test_stored_latent_is_what_the_inloop_forward_attended_and_its_bytes(bits, g
     def by_hand(data, scale, w):
         ints = _unpack_by_hand(data, bits, w).double()  # [B, 1, M, w]
         scale = scale.double()
-        scale = scale[..., None] if granularity == "token_head" else scale[:, :, None, None]
+        scale = {"token_head": lambda: scale[..., None], "channel": lambda: scale[:, :, None, :],
+                 "head": lambda: scale[:, :, None, None]}[granularity]()  # fmt: skip
         return ints * torch.where(scale > 0, scale, 1.0)
 
     for layer, st in enumerate(out.compression_stats):
@@ -172,8 +174,10 @@ def test_stored_latent_is_what_the_inloop_forward_attended_and_its_bytes(bits, g
                                    atol=0, rtol=0)  # fmt: skip
         n = int(stored.valid.sum())  # entries kept over the batch
         payload = width if bits == 8 else math.ceil(R / 2) + math.ceil(DR / 2)
-        per_part = n if granularity == "token_head" else int((stored.valid.sum(1) > 0).sum())
-        layer_bytes = n * payload + 2 * 2 * per_part  # two fp16 scales: c_kv's, k_pe's
+        samples = int((stored.valid.sum(1) > 0).sum())  # samples with entries
+        # fp16 scales of the two parts (c_kv, k_pe): per entry, per sample, or per feature
+        scales = {"token_head": 2 * n, "head": 2 * samples, "channel": width * samples}
+        layer_bytes = n * payload + 2 * scales[granularity]
         assert float(st["kv_bytes"]) == layer_bytes == stored.payload_bytes()
         want = int(split.sum()) * width * 2 / layer_bytes  # 16-bit latent / stored
         assert float(st["kv_reduction"]) == pytest.approx(want, rel=1e-6)

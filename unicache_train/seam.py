@@ -75,12 +75,14 @@ class QuantizedKV:
 
     Attributes:
         bits: 8 or 4.
-        granularity: ``"token_head"`` (one scale per token per head per K/V) or ``"head"`` (one
-            scale per head per K/V over the whole segment of a sample).
+        granularity: ``"token_head"`` (one scale per token per head per K/V), ``"head"`` (one
+            scale per head per K/V over the whole segment of a sample) or ``"channel"`` (one
+            scale per feature per head per K/V over the segment of a sample).
         k_data: int8 ``[B, H_kv, M, D]`` (bits 8) or uint8 ``[B, H_kv, M, ceil(D/2)]`` (bits 4,
             two values per byte, low nibble first).
         v_data: as ``k_data`` (with the values' last dim).
-        k_scale: ``[B, H_kv, M]`` (token_head) or ``[B, H_kv]`` (head), fp16 or fp32.
+        k_scale: ``[B, H_kv, M]`` (token_head), ``[B, H_kv]`` (head) or ``[B, H_kv, D]``
+            (channel), fp16 or fp32.
         v_scale: as ``k_scale``.
         head_dim: D of the keys (needed to unpack an odd D from int4).
         value_dim: D of the values when it differs from the keys' (MLA: latent rank), else None.
@@ -127,7 +129,12 @@ def dequantize(quant: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
         q = unpack_int4(data, dim) if quant.bits == 4 else data
         s = scale.float()
         s = torch.where(s > 0, s, torch.ones_like(s))
-        s = s[..., None] if quant.granularity == "token_head" else s[:, :, None, None]
+        if quant.granularity == "token_head":
+            s = s[..., None]
+        elif quant.granularity == "channel":
+            s = s[:, :, None, :]
+        else:
+            s = s[:, :, None, None]
         return q.float() * s
 
     v_dim = quant.value_dim if quant.value_dim is not None else quant.head_dim
@@ -537,7 +544,8 @@ def stored_kv_bytes(
 
     * low-rank factors (xKV): the factors, not their reconstruction (:meth:`LowRankKV.nbytes`);
     * packed integers: valid entries x stored heads x (payload at its element size + one scale
-      per vector), or with ``granularity="head"`` one scale per stored head and sample;
+      per vector), or with ``granularity="head"`` one scale per stored head and sample (with
+      ``"channel"`` one per feature of each stored head and sample);
     * floating: valid entries x stored heads x ``D`` x ``dtype_bytes`` (the deployed cache
       dtype, not the fp32 of a CPU run).
 
@@ -571,8 +579,9 @@ def stored_kv_bytes(
         payload = data.shape[-1] * data.element_size()  # bytes per stored vector
         if quant.granularity == "token_head":
             total = total + g * n * (payload + scale.element_size())
-        else:
-            total = total + g * n * payload + g * scale.element_size() * (n > 0)
+        else:  # per sample and head: one scale ("head") or one per feature ("channel")
+            per_head = scale.shape[-1] if quant.granularity == "channel" else 1
+            total = total + g * n * payload + g * per_head * scale.element_size() * (n > 0)
     return total
 
 

@@ -284,8 +284,12 @@ class QuantizeConfig(ConfigBase):
         enabled: run this step.
         bits: 8 (int8), 4 (int4, packed two per byte), or None / 16 (no quantization).
         granularity: ``"token_head"``: one scale per (token, head) vector of K and of V (the
-            default; an outlier token cannot spoil the others) or ``"head"``: one scale per
-            head per sample over the segment (the source's per-head). Never a global scale.
+            default; an outlier token cannot spoil the others), ``"head"``: one scale per
+            head per sample over the segment (the source's per-head), or ``"channel"``: one
+            scale per feature per head per sample over the segment (KIVI's per-channel keys; for
+            caches whose features differ by orders of magnitude, e.g. an MLA latent converted by
+            PCA, where one scale per vector rounds the quiet features to zero at int4). Never a
+            global scale.
         scale_dtype: ``"float16"`` or ``"float32"`` storage of the scales.
         windowed_layers: also quantize the cache of a sliding-window layer (its window's
             context tokens, none removed: the window already bounds how many it holds, not how
@@ -306,7 +310,7 @@ class QuantizeConfig(ConfigBase):
             raise ConfigError(
                 f"QuantizeConfig.bits={self.bits!r} is not allowed; choose one of [4, 8, 16, None]"
             )
-        check_choice(self, "granularity", ("token_head", "head"))
+        check_choice(self, "granularity", ("token_head", "head", "channel"))
         check_choice(self, "scale_dtype", ("float16", "float32"))
 
     @property

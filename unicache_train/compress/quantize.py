@@ -8,7 +8,11 @@ or 7 (int4), ``q = round(x / scale)`` clamped to ``[-qmax, qmax]``. The scale is
   V: one scale per D values, so neither an outlier token nor a loud head can spoil another
   vector's precision (KV caches mix heads and tokens of very different ranges);
 * ``granularity="head"``: per (sample, head) over all valid entries of the segment, separately
-  for K and V (the source's "per-head"); padding entries are excluded from the max.
+  for K and V (the source's "per-head"); padding entries are excluded from the max;
+* ``granularity="channel"``: per (sample, head, feature) over the valid entries (KIVI's
+  per-channel keys): for caches whose features differ by orders of magnitude (an MLA latent
+  from a PCA conversion: its leading features ~10x the median one), where a per-vector scale
+  rounds the quiet features to zero at int4.
 
 Never a global scale: the source's pitfall is exactly one head's range flattening another's.
 Scales are stored (and applied) in ``scale_dtype`` (fp16 by default). In the training loop the
@@ -37,6 +41,15 @@ __all__ = ["Quantize", "quantize_symmetric"]
 _DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
+def _broadcast_scale(s: torch.Tensor, granularity: str) -> torch.Tensor:
+    """Scales of one granularity ([B, H, M], [B, H, D] or [B, H]) as a [B, H, M|1, D|1] view."""
+    if granularity == "token_head":
+        return s[..., None]
+    if granularity == "channel":
+        return s[:, :, None, :]
+    return s[:, :, None, None]
+
+
 def _qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
@@ -54,25 +67,27 @@ def quantize_symmetric(
         x: [B, H, M, D].
         valid: [B, M] bool (padding is zeroed and excluded from head scales).
         bits: 8 or 4.
-        granularity: ``"token_head"`` or ``"head"``.
+        granularity: ``"token_head"``, ``"head"`` or ``"channel"``.
         scale_dtype: storage dtype of the scales.
 
     Returns:
         (x_q [B, H, M, D] in x's dtype, forward ``q * scale`` and identity gradient;
-        q int8 [B, H, M, D]; scale [B, H, M] or [B, H] in ``scale_dtype``).
+        q int8 [B, H, M, D]; scale [B, H, M], [B, H] or [B, H, D] in ``scale_dtype``).
     """
     qmax = _qmax(bits)
     vm = valid[:, None, :, None]
     xf = x.detach().float() * vm
     if granularity == "token_head":
         amax = xf.abs().amax(-1)  # [B, H, M]
+    elif granularity == "channel":  # [B, H, D]
+        amax = xf.abs().amax(2) if xf.shape[2] else xf.new_zeros(*xf.shape[:2], xf.shape[3])
     else:
         amax = xf.abs().amax(dim=(2, 3)) if xf.shape[2] else xf.new_zeros(xf.shape[:2])
     finfo = torch.finfo(scale_dtype)
     scale = (amax / qmax).clamp(max=finfo.max).to(scale_dtype)
     s = scale.float()
     s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero vector (or underflow): q = 0
-    s_b = s[..., None] if granularity == "token_head" else s[:, :, None, None]
+    s_b = _broadcast_scale(s, granularity)
     q = torch.round(xf / s_b).clamp(-qmax, qmax)
     deq = (q * s_b).to(x.dtype)
     # STE: the forward value is exactly `deq`, the gradient w.r.t. x is the identity.
