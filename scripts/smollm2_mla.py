@@ -37,13 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from smollm2_study import (  # noqa: E402  (the main recipe's mix and evaluation settings)
-    RECALL_SEED,
-    RECALL_TASK,
-    TEXT_BLOCK,
-    TEXT_CONTEXT,
-    training_datamodule,
-)
+import smollm2_study as study  # noqa: E402  (the main recipe's mix and evaluation settings)
 
 SOURCE_SIZE = "source"
 
@@ -99,14 +93,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tok = load_tokenizer(str(ckpt))
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    data = training_datamodule(work, ckpt, seq_len=args.seq_len, batch_size=args.batch_size)
+    data = study.training_datamodule(work, ckpt, seq_len=args.seq_len, batch_size=args.batch_size)
     train_cfg = TrainConfig(weight_decay=0.0)
     calib = text_blocks(tok, reference_documents("train"), 256, args.calib_seqs)
-    blocks = text_blocks(tok, reference_documents("heldout"), TEXT_BLOCK, args.text_blocks)
-    records = recall_records(RecallTask(**RECALL_TASK), args.num_recall, RECALL_SEED)
+    blocks = text_blocks(tok, reference_documents("heldout"), study.TEXT_BLOCK, args.text_blocks)
+    records = recall_records(RecallTask(**study.RECALL_TASK), args.num_recall, study.RECALL_SEED)
 
     def evaluate(model) -> dict:
-        text = run_text_perplexity(model, blocks, TEXT_CONTEXT, IdentityCompressor())
+        text = run_text_perplexity(model, blocks, study.TEXT_CONTEXT, IdentityCompressor())
         rec = run_recall(model, tok, records, IdentityCompressor(), batch_size=8)
         return {"ppl": text.perplexity, "ppl_se": text.ppl_stderr, "recall": rec.accuracy,
                 "recall_se": rec.stderr, "n_recall": rec.n}  # fmt: skip

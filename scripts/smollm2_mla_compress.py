@@ -26,13 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from smollm2_study import (  # noqa: E402  (the main recipe's mix and evaluation settings)
-    RECALL_SEED,
-    RECALL_TASK,
-    TEXT_BLOCK,
-    TEXT_CONTEXT,
-    training_datamodule,
-)
+import smollm2_study as study  # noqa: E402  (the main recipe's mix and evaluation settings)
 
 # METHOD -> (storage, scale granularity); "_ch": one scale per latent feature over the segment
 # (the PCA latent's leading features are ~10x its median one: per-vector int4 scales round the
@@ -104,10 +98,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model.eval()
     conv = src_elems / kv_elements_per_token(config)  # the conversion's reduction
     tok = load_tokenizer(str(ckpt))
-    blocks = text_blocks(tok, reference_documents("heldout"), TEXT_BLOCK, args.text_blocks)
-    records = recall_records(RecallTask(**RECALL_TASK), args.num_recall, RECALL_SEED)
+    blocks = text_blocks(tok, reference_documents("heldout"), study.TEXT_BLOCK, args.text_blocks)
+    records = recall_records(RecallTask(**study.RECALL_TASK), args.num_recall, study.RECALL_SEED)
     calib = blocks[:2]
-    split = torch.full((2,), TEXT_CONTEXT, dtype=torch.long)
+    split = torch.full((2,), study.TEXT_CONTEXT, dtype=torch.long)
     label = args.label or stem.name
     rows: list[dict] = []
     out = Path(args.out)
@@ -123,7 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(row, f"[{time.time() - t0:.0f}s]", flush=True)
 
     def evaluate(name, target, rate, build) -> None:
-        text = run_text_perplexity(model, blocks, TEXT_CONTEXT, build())
+        text = run_text_perplexity(model, blocks, study.TEXT_CONTEXT, build())
         rec = run_recall(model, tok, records, build(), batch_size=8)
         emit({"model": label, "setting": name, "target_vs_source": target, "rate": rate,
               "kv_reduction_vs_latent": rec.kv_reduction,
@@ -159,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from unicache_train.config import TrainConfig
         from unicache_train.train.loop import endless, train_steps
 
-        data = training_datamodule(stem.parent, ckpt)
+        data = study.training_datamodule(stem.parent, ckpt)
         name, _, _, cfg = calibrated[0]
         res = train_steps(model, endless(data.train_dataloader), args.finetune_steps, args.lr,
                           max(1, args.finetune_steps // 8), TrainConfig(weight_decay=0.0),
