@@ -72,10 +72,13 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 # ------------------------------------------------------------------------------ compressors
 # unicache: text-style UniCache + int8; unicache_span: the same with span pooling;
 # unicache_q4: the same with int4 storage (the byte budget goes to precision before tokens);
+# unicache_q4_ch: int4 with one scale per feature over the segment (KIVI-style channel scales);
 # xkv: cross-layer SVD (groups of 2); unicache+xkv: UniCache token selection at
 # study.xkv_token_rate (head merging and quantization off, as in training), then xKV on the kept
 # entries with its reduction calibrated so that the two together reach the target
-_UNICACHE_QUANT = {"unicache": "int8", "unicache_span": "int8", "unicache_q4": "int4"}
+_UNICACHE_QUANT = {"unicache": "int8", "unicache_span": "int8", "unicache_q4": "int4",
+                   "unicache_q4_ch": "int4"}  # fmt: skip
+_GRANULARITY = {"unicache_q4_ch": "channel"}  # else the default, one scale per (token, head)
 METHODS = (*_UNICACHE_QUANT, "xkv", "unicache+xkv")
 
 
@@ -107,10 +110,12 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
         if method in _UNICACHE_QUANT:
             pool = int(study["span_pool"]) if method == "unicache_span" else 0
             quant = _UNICACHE_QUANT[method]
+            gran = _GRANULARITY.get(method, "token_head")
 
-            def config_at(rate, pool=pool, quant=quant):
+            def config_at(rate, pool=pool, quant=quant, gran=gran):
                 cfg = text_unicache(rate, pool, quant)
                 cfg.quantize.windowed_layers = bool(study.get("quantize_windows", False))
+                cfg.quantize.granularity = gran
                 return cfg
 
             rate, got = rate_for_reduction(
