@@ -40,11 +40,19 @@ def main(argv: list[str] | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_rows(args.csvs)
-    fig, (ax_p, ax_r) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_p, ax_r) = plt.subplots(1, 2, figsize=(11, 5))
     markers = {"converted": "o", "healed": "s", "before": "*", "fine-tuned": "D"}
     palette = iter(["tab:blue", "tab:purple", "tab:cyan", "tab:olive", "tab:brown", "tab:pink"])
     fixed = {("converted", "weighted"): "tab:red", ("converted", "2norm"): "tab:orange",
              ("before", ""): "black"}  # fmt: skip
+    # Conversions with no fewer KV elements than the source (full latent rank: what the shared
+    # RoPE head alone costs) are a diagnostic of their own, not a point on the size curve.
+    src = max((float(r["kv_elements"]) for r in rows if r["size"] == "source"), default=1e9)
+    for r in rows:
+        if r["stage"] == "converted" and float(r["kv_elements"]) >= src:
+            r["stage"] = "full rank"
+    markers["full rank"] = "x"
+    fixed[("full rank", "weighted")] = "tab:gray"
     groups = sorted({(r["stage"], r["rope_selection"], int(r["heal_steps"])) for r in rows},
                     key=lambda g: (list(markers).index(g[0]), g[1], g[2]))  # fmt: skip
     for stage, selection, steps in groups:
@@ -55,6 +63,7 @@ def main(argv: list[str] | None = None) -> Path:
         color = fixed.get((stage, selection)) or ("tab:green" if stage == "fine-tuned"
                                                   else next(palette))  # fmt: skip
         label = {"converted": "MLA, converted", "before": "source (GQA)",
+                 "full rank": "MLA, converted at full latent rank",
                  "fine-tuned": f"source + {steps} steps",
                  "healed": f"MLA, healed {steps} steps"}[stage]  # fmt: skip
         if selection == "2norm":  # MHA2MLA's 2-norm RoPE selection
@@ -66,7 +75,7 @@ def main(argv: list[str] | None = None) -> Path:
             y = [float(r[key]) for r in sel]
             err = [float(r[f"{key}_se"] or 0) for r in sel]
             ax.errorbar(x, y, yerr=err, fmt=marker, color=color, label=label, capsize=3,
-                        linestyle="-" if stage in ("converted", "healed") else "none")  # fmt: skip
+                        linestyle="none" if stage in ("before", "fine-tuned") else "-")  # fmt: skip
         for r in sel:
             if r["size"] != "source":
                 ax_p.annotate(r["size"], (float(r["kv_elements"]), float(r["ppl"])),
@@ -79,9 +88,10 @@ def main(argv: list[str] | None = None) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV elements per token and layer (log2)")
         ax.grid(alpha=0.3)
-    ax_r.legend(fontsize=8, loc="center left")
+    handles, labels_ = ax_r.get_legend_handles_labels()
+    fig.legend(handles, labels_, fontsize=8, loc="lower center", ncol=4, frameon=False)
     fig.suptitle("SmolLM2-135M GQA -> MLA: error bars are standard errors")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
