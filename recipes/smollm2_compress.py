@@ -113,9 +113,8 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
             gran = _GRANULARITY.get(method, "token_head")
 
             def config_at(rate, pool=pool, quant=quant, gran=gran):
-                cfg = text_unicache(rate, pool, quant)
+                cfg = text_unicache(rate, pool, quant, gran)
                 cfg.quantize.windowed_layers = bool(study.get("quantize_windows", False))
-                cfg.quantize.granularity = gran
                 return cfg
 
             rate, got = rate_for_reduction(

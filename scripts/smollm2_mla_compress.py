@@ -33,7 +33,7 @@ import smollm2_study as study  # noqa: E402  (the main recipe's mix and evaluati
 # quiet features to zero)
 QUANT = {"unicache": ("int8", "token_head"), "unicache_q4": ("int4", "token_head"),
          "unicache_q4_ch": ("int4", "channel"), "unicache_ch": ("int8", "channel"),
-         "unicache_fp": (None, "token_head")}  # fmt: skip
+         "unicache_fp": ("none", "token_head")}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -64,13 +64,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise SystemExit(f"--settings {spec!r}: METHOD@REDUCTION, METHOD in {list(QUANT)}, "
                              "REDUCTION > 1")  # fmt: skip
         settings.append((method, float(red)))
+    if args.finetune_steps < 0:
+        raise SystemExit(f"--finetune-steps={args.finetune_steps} is out of range; allowed >= 0")
 
     from safetensors.torch import load_file
 
     from unicache_train.checkpoint.gguf import KNOWN, fetch
     from unicache_train.checkpoint.hf import import_hf
     from unicache_train.compress import UniCacheCompressor
-    from unicache_train.compress.config import UniCacheConfig
     from unicache_train.config import ModelConfig
     from unicache_train.data.reference_text import reference_documents
     from unicache_train.data.tokenizer import load_tokenizer
@@ -80,11 +81,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from unicache_train.model import Decoder
     from unicache_train.model.convert_mla import kv_elements_per_token
     from unicache_train.seam import IdentityCompressor
-
-    def latent_unicache(rate: float, quant: str | None, granularity: str) -> UniCacheConfig:
-        d = text_unicache(rate, 0, quant).to_dict()
-        d["quantize"]["granularity"] = granularity
-        return UniCacheConfig.from_dict(d)
 
     t0 = time.time()
     ckpt = fetch(args.checkpoint) if args.checkpoint in KNOWN else Path(args.checkpoint)
@@ -125,6 +121,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
               "recall": rec.accuracy, "recall_se": rec.stderr, "n": rec.n,
               "ppl": text.perplexity, "ppl_se": text.ppl_stderr})  # fmt: skip
 
+    if args.finetune_steps and settings[0][1] / conv <= 1.0:
+        raise SystemExit(
+            f"--finetune-steps trains with the first setting, {args.settings[0]!r}, which the "
+            f"conversion alone already reaches ({conv:.2f}x); put a setting above {conv:.2f}x first"
+        )
     calibrated = []  # (name, target, rate, config)
     for method, red in settings:
         on_latent = red / conv
@@ -135,13 +136,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with torch.no_grad():
             rate, got = rate_for_reduction(
                 model, calib, split,
-                lambda r, q=quant, g=granularity: UniCacheCompressor(latent_unicache(r, q, g)),
+                lambda r, q=quant, g=granularity: UniCacheCompressor(text_unicache(r, 0, q, g)),
                 on_latent,
             )  # fmt: skip
         print(f"{method}@{red}: rate {rate:.3f}, calibrated {got * conv:.2f}x vs source",
               flush=True)  # fmt: skip
         calibrated.append((f"{method}@{red:g}", red, rate,
-                           latent_unicache(rate, quant, granularity)))  # fmt: skip
+                           text_unicache(rate, 0, quant, granularity)))  # fmt: skip
 
     def evaluate_all() -> None:
         evaluate("none", conv, 0.0, IdentityCompressor)
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             evaluate(name, red, rate, lambda c=cfg: UniCacheCompressor(c))
 
     evaluate_all()
-    if args.finetune_steps and calibrated:
+    if args.finetune_steps:
         from unicache_train.config import TrainConfig
         from unicache_train.train.loop import endless, train_steps
 

@@ -275,3 +275,14 @@ def test_unicache_at_rate_refuses_an_unknown_quantizer():
 
     with pytest.raises(ValueError, match=r"quantize='int2' is not allowed; choose one of"):
         unicache_at_rate(text_style_baseline(), 0.5, "int2")
+
+
+def test_text_unicache_sets_and_validates_the_scale_granularity():
+    from unicache_train.eval.budget import text_unicache
+    from unicache_train.validation import ConfigError
+
+    assert text_unicache(0.5, 0, "int4").quantize.granularity == "token_head"
+    cfg = text_unicache(0.5, 0, "int4", "channel")
+    assert (cfg.quantize.granularity, cfg.quantize.bits) == ("channel", 4)
+    with pytest.raises(ConfigError, match="granularity"):
+        text_unicache(0.5, 0, "int4", "tensor")

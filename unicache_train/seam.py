@@ -121,6 +121,16 @@ def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(both > 7, both - 16, both).to(torch.int8)
 
 
+def broadcast_scale(scale: torch.Tensor, granularity: str) -> torch.Tensor:
+    """Scales of one :attr:`QuantizedKV.granularity` (``[B, H, M]`` token_head, ``[B, H]`` head,
+    ``[B, H, D]`` channel) as a view that broadcasts against ``[B, H, M, D]`` values."""
+    if granularity == "token_head":
+        return scale[..., None]
+    if granularity == "channel":
+        return scale[:, :, None, :]
+    return scale[:, :, None, None]
+
+
 def dequantize(quant: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed storage -> (keys, values) float32 [B, H, M, D] (a latent's values: the keys' first
     ``value_dim`` features, a view)."""
@@ -129,13 +139,7 @@ def dequantize(quant: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
         q = unpack_int4(data, dim) if quant.bits == 4 else data
         s = scale.float()
         s = torch.where(s > 0, s, torch.ones_like(s))
-        if quant.granularity == "token_head":
-            s = s[..., None]
-        elif quant.granularity == "channel":
-            s = s[:, :, None, :]
-        else:
-            s = s[:, :, None, None]
-        return q.float() * s
+        return q.float() * broadcast_scale(s, quant.granularity)
 
     v_dim = quant.value_dim if quant.value_dim is not None else quant.head_dim
     if quant.latent:  # [c_kv ‖ k_pe], each part with its own scales

@@ -34,20 +34,11 @@ import torch
 
 from unicache_train.compress.config import QuantizeConfig
 from unicache_train.compress.state import CompressionState
-from unicache_train.seam import QuantizedKV, pack_int4
+from unicache_train.seam import QuantizedKV, broadcast_scale, pack_int4
 
 __all__ = ["Quantize", "quantize_symmetric"]
 
 _DTYPES = {"float16": torch.float16, "float32": torch.float32}
-
-
-def _broadcast_scale(s: torch.Tensor, granularity: str) -> torch.Tensor:
-    """Scales of one granularity ([B, H, M], [B, H, D] or [B, H]) as a [B, H, M|1, D|1] view."""
-    if granularity == "token_head":
-        return s[..., None]
-    if granularity == "channel":
-        return s[:, :, None, :]
-    return s[:, :, None, None]
 
 
 def _qmax(bits: int) -> int:
@@ -87,7 +78,7 @@ def quantize_symmetric(
     scale = (amax / qmax).clamp(max=finfo.max).to(scale_dtype)
     s = scale.float()
     s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero vector (or underflow): q = 0
-    s_b = _broadcast_scale(s, granularity)
+    s_b = broadcast_scale(s, granularity)
     q = torch.round(xf / s_b).clamp(-qmax, qmax)
     deq = (q * s_b).to(x.dtype)
     # STE: the forward value is exactly `deq`, the gradient w.r.t. x is the identity.

@@ -47,9 +47,12 @@ def unicache_at_rate(base: Any, rate: float, quantize: str = "config") -> Any:
     return UniCacheConfig.from_dict(d)
 
 
-def text_unicache(rate: float, pool: int = 0, quantize: str = "int8") -> Any:
+def text_unicache(
+    rate: float, pool: int = 0, quantize: str = "int8", granularity: str = "token_head"
+) -> Any:
     """UniCache for text-only contexts at removal ``rate``: the text-style preset (no
-    modality budgets, so no per-modality cap stops the rate), ``quantize``, span pooling of
+    modality budgets, so no per-modality cap stops the rate), ``quantize`` with its scales at
+    ``granularity`` (:class:`~unicache_train.compress.config.QuantizeConfig`), span pooling of
     the scores over ``pool`` tokens (0: none).
 
     Returns:
@@ -60,6 +63,7 @@ def text_unicache(rate: float, pool: int = 0, quantize: str = "int8") -> Any:
 
     d = unicache_at_rate(text_style_baseline(), rate, quantize).to_dict()
     d["importance"] = {**d["importance"], "pool": int(pool)}
+    d["quantize"] = {**d["quantize"], "granularity": granularity}  # validated by from_dict
     return UniCacheConfig.from_dict(d)
 
 

@@ -63,10 +63,9 @@ def train_steps(
 
     With ``compressor`` each step is the in-loop objective
     (:func:`unicache_train.inloop.inloop_loss`, the LightningModule's, without its KL term):
-    per-sample splits
-    (``batch["split"]`` where the data has one, else sampled; at least ``min_context`` context
-    tokens, seeded by ``seed`` and the step), the context's K/V compressed at every layer, the
-    loss on the continuation tokens only.
+    per-sample splits (``batch["split"]`` where the data has one, else sampled; at least
+    ``min_context`` context tokens, seeded by ``seed`` and the step), the context's K/V
+    compressed at every layer, the loss on the continuation tokens only.
 
     Args:
         compressor: a KV compressor for compression-aware training, or None (plain LM loss).
