@@ -45,22 +45,22 @@ kvpress-baseline: fetch
 # prompts greedily; the tokens are compared with transformers' on the same weights, one CSV row a
 # prompt. MODEL=DIR (default: the int4 compression-aware fine-tune's export from `make demo`),
 # NAME=row label, DTYPE=float32|bfloat16, VLLM_ARGS=more vllm flags. A DeepseekV3 (MLA) export:
-# pad-mla it and pass VLLM_ARGS=--custom-ops=all,-rotary_embedding (scripts/results/vllm/).
+# pad-mla it and pass VLLM_ARGS=--custom-ops=all,-rotary_embedding (experiments/vllm/results/).
 VLLM_MODEL = $(or $(MODEL),runs/sm_compress_q4/compress/export)
 VLLM_NAME  = $(or $(NAME),q4_llama)_$(or $(DTYPE),float32)
 vllm-compare: install
-	scripts/vllm_env.sh
-	$(BIN)/python scripts/vllm_compare.py prompts --tokenizer $(VLLM_MODEL) \
+	experiments/vllm/vllm_env.sh
+	$(BIN)/python experiments/vllm/vllm_compare.py prompts --tokenizer $(VLLM_MODEL) \
 		--out runs/vllm/$(VLLM_NAME).prompts.jsonl
-	OMP_NUM_THREADS=2 $(BIN)/python scripts/vllm_compare.py reference --model $(VLLM_MODEL) \
+	OMP_NUM_THREADS=2 $(BIN)/python experiments/vllm/vllm_compare.py reference --model $(VLLM_MODEL) \
 		--prompts runs/vllm/$(VLLM_NAME).prompts.jsonl --dtype $(or $(DTYPE),float32) \
 		--out runs/vllm/$(VLLM_NAME).hf.jsonl
-	.venv-vllm/bin/python scripts/vllm_compare.py vllm --model $(VLLM_MODEL) \
+	.venv-vllm/bin/python experiments/vllm/vllm_compare.py vllm --model $(VLLM_MODEL) \
 		--prompts runs/vllm/$(VLLM_NAME).prompts.jsonl --dtype $(or $(DTYPE),float32) \
 		--out runs/vllm/$(VLLM_NAME).vllm.jsonl $(VLLM_ARGS)
-	$(BIN)/python scripts/vllm_compare.py compare --name $(VLLM_NAME) \
+	$(BIN)/python experiments/vllm/vllm_compare.py compare --name $(VLLM_NAME) \
 		--prompts runs/vllm/$(VLLM_NAME).prompts.jsonl --reference runs/vllm/$(VLLM_NAME).hf.jsonl \
-		--vllm runs/vllm/$(VLLM_NAME).vllm.jsonl --out scripts/results/vllm/vllm_compare.csv
+		--vllm runs/vllm/$(VLLM_NAME).vllm.jsonl --out experiments/vllm/results/vllm_compare.csv
 
 # The oldest transformers the serving cache supports (5.2), in its own venv, for
 # tests/test_transformers_cache.py::test_lower_bound_transformers (our package on PYTHONPATH).

@@ -239,7 +239,7 @@ def csv_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 def write_csv(path: Path, result: dict[str, Any], command: str) -> None:
     """:func:`csv_rows` as CSV, led by the command, machine, torch version and wall time
     (:func:`unicache_train.recipe.results_header`, as the other results under
-    ``scripts/results/``)."""
+    ``experiments/*/results/``)."""
     from unicache_train.eval.report import write_csv as write
 
     rows = csv_rows(result)

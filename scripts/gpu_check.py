@@ -25,7 +25,7 @@ summary table is printed at the end):
                          (``torch.cuda.max_memory_allocated``). The dry run checks the flex path's
                          forward only (no CPU backward in torch) and records it as skipped.
 
-Conventions (scripts/bench_common.py, scripts/bench_sinkhorn.py): every ratio is against a
+Conventions (benchmarks/bench_common.py, benchmarks/bench_sinkhorn.py): every ratio is against a
 baseline timed in the same run; the cases of one setting are timed round-robin (one repeat of each
 in turn) after a warm-up; the median (and min) over repeats is reported; on GPU each repeat is
 timed with CUDA events around ``inner`` back-to-back steps. Each CSV starts with a

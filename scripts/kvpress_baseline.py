@@ -12,7 +12,7 @@ Two halves, two environments (kvpress pins transformers < 5.3; the project needs
 
        .venv-kvpress/bin/python scripts/kvpress_baseline.py run \\
            --prompts runs/kvpress/prompts.jsonl --model DIR --name base --reduction 4 \\
-           --out scripts/results/smollm2/kvpress.csv
+           --out experiments/smollm2_compress/results/kvpress.csv
 
 Each prompt: the context (``[bos] + "key: value" lines``) is prefilled with the press active
 (kvpress compresses during the prefill forward), then the question is decoded on the compressed

@@ -1,7 +1,7 @@
 """Merge ``results.csv`` files of compression studies into one table, CSV and plot.
 
     python scripts/merge_results.py runs/sm_base/results.csv runs/sm_control/results.csv \\
-        runs/sm_compress/results.csv --out scripts/results/smollm2
+        runs/sm_compress/results.csv --out experiments/smollm2_compress/results
 
 Each input keeps its own ``# command:`` lines, copied into the merged CSV's header. A row whose
 (model, method, target_reduction, task) an earlier input already gave is dropped (an uncompressed

@@ -1,6 +1,6 @@
 """The recipes behind README tables write their results as CSV led by the command that wrote them
 (``# <command>`` then ``# <machine>, torch <version>, <seconds>s``), so a committed copy under
-``scripts/results/`` names how to reproduce it."""
+``experiments/*/results/`` names how to reproduce it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""scripts/vllm_compare.py without vLLM: the prompt set, the transformers reference loop and the
-token-by-token comparison (the vLLM half needs .venv-vllm and is run by ``make vllm-compare``)."""
+"""experiments/vllm/vllm_compare.py without vLLM: the prompt set, the transformers reference loop
+and the token-by-token comparison (the vLLM half needs .venv-vllm and is run by
+``make vllm-compare``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "vllm_compare.py"
+SCRIPT = REPO / "experiments" / "vllm" / "vllm_compare.py"
 
 
 @pytest.fixture(scope="module")

@@ -281,7 +281,7 @@ def command_line(recipe: str, args: Sequence[str]) -> str:
 
 
 def results_header(command: str, seconds: float) -> list[str]:
-    """The two comment lines that lead a results CSV under ``scripts/results/``: the command,
+    """The two comment lines that lead a results CSV under ``experiments/*/results/``: the command,
     then the machine, torch version and wall time, so that a copy says how it was made."""
     import torch
 

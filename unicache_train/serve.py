@@ -1,6 +1,6 @@
 """Serve an export with stock transformers, with or without the compression it was tuned for.
 
-``unicache-train generate --export DIR [--compressed]`` and ``scripts/bench_serving.py`` call
+``unicache-train generate --export DIR [--compressed]`` and ``benchmarks/bench_serving.py`` call
 :func:`generate_from_export`; the cache itself is
 :class:`unicache_train.transformers_cache.CompressedCache`. Imports transformers and torch
 only (no Lightning).

@@ -307,7 +307,7 @@ def to_deepseek_v3_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     # NOTE: a tied model keeps ``lm_head.weight`` in the file too (a copy of the embedding):
     # transformers re-ties it on load either way, but vLLM's DeepseekV2/V3 never ties and
-    # serves an all-zero head, silently, when the file lacks it (scripts/results/vllm/).
+    # serves an all-zero head, silently, when the file lacks it (experiments/vllm/results/).
     inverse = torch.argsort(_rope_perm(config.qk_rope_head_dim))
     sd = _permute_rope_rows(sd, config, inverse)
     sd = _split_experts(sd)

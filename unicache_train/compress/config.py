@@ -261,7 +261,7 @@ class MergeEvictConfig(ConfigBase):
             their members' mean norm: ``"k"`` (keys only, the default), ``"kv"`` (keys and
             values, the article's §6.2) or ``"none"``. With the ``log(count)`` bias the plain
             average of V is exact for agreeing keys; rescaling V inflates the output. Chosen
-            by measurement (``scripts/merge_rule_study.py``).
+            by measurement (``experiments/merge_rule/merge_rule_study.py``).
     """
 
     enabled: bool = True
@@ -426,7 +426,7 @@ class XKVConfig(ConfigBase):
             inference). k > 1, training only: the feature-side basis of each group is computed
             from the whole batch (pooled) and reused for the next k - 1 steps; each sample still
             projects its own K/V onto it (much cheaper, and a worse fit than inference's:
-            +26% reconstruction error on SmolLM2 at 4x, ``scripts/xkv_factorization.py``).
+            +26% reconstruction error on SmolLM2 at 4x, ``experiments/xkv/xkv_factorization.py``).
         factorization: how the basis is computed (:mod:`unicache_train.compress.xkv.factor`):
             ``"gram"`` (default: eigendecomposition of the smaller Gram matrix, the SVD's basis
             to fp32 round-off at a third of its time on SmolLM2, README "xKV's

@@ -18,7 +18,7 @@ segment and the same gradients (``tests/test_compress_kernels.py`` checks it on 
 * :func:`~unicache_train.compress.neighbours.neighbour_similarity`: offsets ``o`` and ``-o``
   share their dot products (the same token pairs; the reference computes both).
 
-The reference path exists for the equality tests and for ``scripts/bench_compress_overhead.py
+The reference path exists for the equality tests and for ``benchmarks/bench_compress_overhead.py
 --compare-kernels``, which times both in one run. Not thread-safe (a process-wide switch).
 """
 

@@ -39,8 +39,8 @@ which of the two averages is rescaled to the weighted mean norm of its members:
 * ``"kv"``: keys and values (the article's §6.2 "L2 re-normalisation of merged K/V").
 * ``"none"``: plain weighted averages.
 
-The default was chosen by measurement (``scripts/merge_rule_study.py``, README): attention
-output error against the unmerged tokens and perplexity after compression on real caches.
+The default was chosen by measurement (``experiments/merge_rule/merge_rule_study.py``):
+attention output error against the unmerged tokens and perplexity after compression on real caches.
 The entry keeps j's position and modality and carries ``count = |S| + 1``, which attention
 turns into a ``log(count)`` logit bias. Entries that absorb nothing are bit-for-bit the input.
 Selection is discrete (no gradient); the kept and merged values carry gradients.

@@ -7,7 +7,7 @@ arguments of the function or plain attribute edits afterwards.
   0.4/0.3/0.2/0.1, density budgets with caps, discount 0.5, int8. One measured departure from
   the source: a merged entry's key is rescaled to its members' mean norm but its value stays
   the average (``merge_evict.merge_rescale = "k"``; the source's K-and-V rescale is ``"kv"``),
-  see ``scripts/merge_rule_study.py``. Every preset below inherits it.
+  see ``experiments/merge_rule/merge_rule_study.py``. Every preset below inherits it.
 * :func:`long_video` (§8.2): vision at 0.78 (0.75-0.8) and text kept at 0.25 (at the reference
   target, following the layer curve), and the same patch in adjacent frames counts as a
   neighbour (``frame_stride = patches_per_frame``), so redundant patches merge across frames.

@@ -87,3 +87,22 @@ def write_recall_mix(
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tmp.replace(path)
     return path
+
+
+def write_training_data(
+    work_dir: str | Path,
+    tokenizer: str | Path,
+    tasks: Sequence[RecallTask],
+    records_per_task: int,
+    text_fraction: float,
+    data: dict,
+    seed: int = 0,
+) -> dict:
+    """Write a recall + text training mix to ``work_dir/train_mix.jsonl`` (``seed`` must be
+    below the evaluation seeds) and return the ``data`` section (a :class:`DataConfig` mapping)
+    pointing at it, with ``tokenizer`` set."""
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "train_mix.jsonl"
+    mix = write_recall_mix(path, list(tasks), records_per_task, seed, text_fraction)
+    return {**data, "source": str(mix), "tokenizer": str(tokenizer)}

@@ -22,7 +22,8 @@ Why the converted model computes the source's function (induction over sub-layer
   LM head.
 
 Exactness (measured on SmolLM2-135M, 30 layers, logits up to 37,
-``scripts/smollm2_mhc_retrofit.py``): ``post = 2 sigmoid(b_post)`` and ``deepseek_v4``'s
+``experiments/smollm2_mhc/smollm2_mhc_retrofit.py``): ``post = 2 sigmoid(b_post)`` and
+``deepseek_v4``'s
 ``pre = sigmoid(b_pre) + eps`` take any value through their biases, but no bias reaches a row sum
 of 1 for ``deepseek_v4``'s ``res``: its Sinkhorn divides by ``sum + eps`` to the last
 normalization, so the rows of any ``res`` sum to ``s / (s + eps) < 1`` (``r = 1 - 2^-20`` in fp32

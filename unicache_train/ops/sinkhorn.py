@@ -53,7 +53,7 @@ Backends:
   benchmark case (64k matrices, n=4, 20 iters, one thread), ``deepseek_v4``: ~8x faster than
   eager autograd through the loop and ~4x faster than ``torch.compile`` of the naive formula,
   without its warm-up (up to ~70 s here on a cold cache) or recompiles on new batch sizes, so
-  there is no compiled backend; see ``scripts/bench_sinkhorn.py`` for the caveat on
+  there is no compiled backend; see ``benchmarks/bench_sinkhorn.py`` for the caveat on
   oversubscribed machines. ``paper`` pays an ``exp`` per entry and step (log domain): measured
   fwd+bwd on that case, one thread, a shared 2-core VM: 1.05-1.12 s against 0.21-0.28 s for the
   former linear-domain ``paper`` and 0.20-0.29 s for ``deepseek_v4`` (medians of 7, same run);
