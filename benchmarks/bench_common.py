@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from unicache_train.config import DataConfig, SyntheticDataConfig
+from unicache_train.data.config import DataConfig, SyntheticDataConfig
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

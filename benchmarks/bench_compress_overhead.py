@@ -66,7 +66,9 @@ from bench_common import (
 )
 
 from unicache_train.compress.kernels import reference_kernels
-from unicache_train.config import CompressionTrainConfig, DataConfig, ModelConfig, RunConfig
+from unicache_train.data.config import DataConfig
+from unicache_train.model.config import ModelConfig
+from unicache_train.train.config import CompressionTrainConfig, RunConfig
 from unicache_train.train.module import LMModule, causal_lm_loss
 
 

@@ -44,8 +44,8 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from unicache_train.config import ModelConfig
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
 from unicache_train.train.module import causal_lm_loss
 from unicache_train.train.strategies import apply_activation_checkpointing
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from unicache_train.config import ModelConfig
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.mhc import HyperConnection
 from unicache_train.model.mlp import SwiGLU
 from unicache_train.model.norm import RMSNorm

@@ -20,15 +20,9 @@ from pathlib import Path
 
 import torch
 
-from unicache_train.config import (
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    MonitorConfig,
-    RunConfig,
-    SyntheticDataConfig,
-    TrainConfig,
-)
+from unicache_train.data.config import DataConfig, SyntheticDataConfig
+from unicache_train.model.config import ModelConfig
+from unicache_train.train.config import LoggingConfig, MonitorConfig, RunConfig, TrainConfig
 from unicache_train.train.run import fit
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -53,8 +53,9 @@ from bench_common import (
     timing_columns,
 )
 
-from unicache_train.config import CompressionTrainConfig, ModelConfig, RunConfig
 from unicache_train.inloop import compression_kl
+from unicache_train.model.config import ModelConfig
+from unicache_train.train.config import CompressionTrainConfig, RunConfig
 from unicache_train.train.module import LMModule, causal_lm_loss
 
 

@@ -6,7 +6,7 @@ perplexity before and after a short healing fine-tune, and export a DeepseekV3 c
     python recipes/convert_to_mla.py convert.heal_steps=50 run.train.max_steps=200
 
 Overrides are ``section.field=value`` on this file's two sections: ``run`` (a
-:class:`~unicache_train.config.RunConfig`: the source model and data; ``run.train`` drives the
+:class:`~unicache_train.train.config.RunConfig`: the source model and data; ``run.train`` drives the
 pretraining of the tiny source when no checkpoint is given) and ``convert``
 (:class:`ConvertConfig`). Single process, plain PyTorch loops: CPU-friendly by design.
 
@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from unicache_train.config import ConfigError, RunConfig
 from unicache_train.eval.perplexity import evaluate_perplexity
 from unicache_train.model import Decoder
 from unicache_train.model.convert_mla import convert_to_mla_with_report, kv_elements_per_token
@@ -45,6 +44,8 @@ from unicache_train.recipe import (
     results_header,
 )
 from unicache_train.train import loop
+from unicache_train.train.config import RunConfig
+from unicache_train.validation import ConfigError
 from unicache_train.validation import check_choice as _choice
 from unicache_train.validation import check_int as _int
 from unicache_train.validation import check_range as _range

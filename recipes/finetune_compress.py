@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unicache_train.config import RunConfig
 from unicache_train.recipe import (
     FinetuneOptions,
     command_line,
@@ -46,6 +45,7 @@ from unicache_train.recipe import (
     pretrain_base,
     write_results_csv,
 )
+from unicache_train.train.config import RunConfig
 
 HERE = Path(__file__).resolve().parent
 

@@ -22,9 +22,10 @@ from typing import Any
 
 from unicache_train.checkpoint.hf import export_hf
 from unicache_train.checkpoint.policy import policy_of
-from unicache_train.config import ConfigError, RunConfig
 from unicache_train.recipe import build_section, parse_recipe_args, run_sections
+from unicache_train.train.config import RunConfig
 from unicache_train.train.from_hf import prepare_hf_run
+from unicache_train.validation import ConfigError
 
 DEFAULT_YAML = Path(__file__).with_suffix(".yaml")
 

@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from unicache_train.config import ConfigError, RunConfig
 from unicache_train.recipe import (
     FinetuneOptions,
     command_line,
@@ -50,6 +49,8 @@ from unicache_train.recipe import (
     pretrain_base,
     write_results_csv,
 )
+from unicache_train.train.config import RunConfig
+from unicache_train.validation import ConfigError
 
 HERE = Path(__file__).resolve().parent
 

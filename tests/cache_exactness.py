@@ -16,9 +16,10 @@ import transformers
 
 from unicache_train.checkpoint.hf import export_hf, import_hf
 from unicache_train.checkpoint.policy import compressor_from_policy, policy_of, read_policy
-from unicache_train.config import CompressionTrainConfig, ModelConfig
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.generate import decode_teacher_forced, generate_compressed
+from unicache_train.train.config import CompressionTrainConfig
 from unicache_train.transformers_cache import (
     ATTN_IMPLEMENTATION,
     CACHE_ARGUMENT,

@@ -24,8 +24,9 @@ import sys
 import lightning as L
 import torch
 
-from unicache_train.config import RunConfig, apply_overrides
+from unicache_train.train.config import RunConfig
 from unicache_train.train.run import fit
+from unicache_train.validation import apply_overrides
 
 
 def batch_fingerprint(input_ids: torch.Tensor) -> str:

@@ -23,19 +23,17 @@ from unicache_train.cli import main
 from unicache_train.compress import IdentityCompressor, UniCacheCompressor, UniCacheConfig
 from unicache_train.compress.composer import ComposedCompressor
 from unicache_train.compress.config import XKVConfig
-from unicache_train.config import (
+from unicache_train.data.config import DataConfig
+from unicache_train.eval.sweep import CompressionEvalConfig
+from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
+from unicache_train.train.config import (
     CompressionTrainConfig,
-    ConfigError,
-    DataConfig,
-    ModelConfig,
     MonitorConfig,
     RunConfig,
     TrainConfig,
-    apply_overrides,
-    load_yaml,
 )
-from unicache_train.eval.sweep import CompressionEvalConfig
-from unicache_train.model import Decoder
+from unicache_train.validation import ConfigError, apply_overrides, load_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,8 +19,8 @@ from unicache_train.checkpoint.hf import (
     import_hf,
     merge_kv_heads,
 )
-from unicache_train.config import ModelConfig
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
 
 V = 97
 GQA = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -30,7 +30,7 @@ from unicache_train.compress.testing import (
     check_segment,
     make_input,
 )
-from unicache_train.config import ModelConfig
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.decoder import Decoder
 from unicache_train.seam import CompressionInput, KVSegment
 

@@ -209,8 +209,8 @@ def test_every_factorization_fits_the_same_ranks_in_the_model(mla: bool) -> None
     round-off; randomized: within 1%), and the captured energy of the randomized sketch counts
     the whole spectrum (``||X||_F²``), not the sketch's."""
     from unicache_train.compress.xkv import XKVCompressor
-    from unicache_train.config import ModelConfig
     from unicache_train.model import Decoder
+    from unicache_train.model.config import ModelConfig
 
     mla_kw = dict(attention_type="mla", kv_lora_rank=24, q_lora_rank=None, qk_nope_head_dim=16,
                   qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip

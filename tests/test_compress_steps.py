@@ -38,8 +38,8 @@ from unicache_train.compress.schedule import cosine_curve, layer_rate
 from unicache_train.compress.state import CompressionState
 from unicache_train.compress.testing import check_segment, make_input
 from unicache_train.compress.window import window_stats
-from unicache_train.config import ConfigError
 from unicache_train.seam import dequantize, pack_int4, segment_kv_bytes, unpack_int4
+from unicache_train.validation import ConfigError
 
 NOQ = QuantizeConfig(bits=None)
 

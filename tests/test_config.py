@@ -2,14 +2,10 @@
 
 import pytest
 
-from unicache_train.config import (
-    ConfigError,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    RunConfig,
-    TrainConfig,
-)
+from unicache_train.data.config import DataConfig
+from unicache_train.model.config import ModelConfig
+from unicache_train.train.config import LoggingConfig, RunConfig, TrainConfig
+from unicache_train.validation import ConfigError
 
 
 @pytest.mark.parametrize(

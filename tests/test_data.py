@@ -12,7 +12,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from unicache_train.config import ConfigError, DataConfig, ModelConfig, SyntheticDataConfig
 from unicache_train.data import (
     ByteTokenizer,
     HFTokenizer,
@@ -24,7 +23,10 @@ from unicache_train.data import (
     stories,
     synthetic_corpus,
 )
+from unicache_train.data.config import DataConfig, SyntheticDataConfig
 from unicache_train.data.synthetic import ATTRIBUTES, OBJECTS
+from unicache_train.model.config import ModelConfig
+from unicache_train.validation import ConfigError
 
 SMALL = SyntheticDataConfig(seed=7, num_stories=40, num_recall=40)
 

@@ -39,8 +39,8 @@ from unicache_train.checkpoint.zero import (
     is_zero_checkpoint,
     zero_world_size,
 )
-from unicache_train.config import ConfigError, RunConfig, apply_overrides
 from unicache_train.model import Decoder
+from unicache_train.train.config import RunConfig
 from unicache_train.train.strategies import (
     AtomicDeepSpeedStrategy,
     CPUDeepSpeedStrategy,
@@ -48,6 +48,7 @@ from unicache_train.train.strategies import (
     build_strategy,
     deepspeed_config,
 )
+from unicache_train.validation import ConfigError, apply_overrides
 
 pytest.importorskip("deepspeed")
 

@@ -11,13 +11,7 @@ import torch
 from unicache_train.compress import UniCacheCompressor, UniCacheConfig
 from unicache_train.compress.composer import RateShortfallWarning
 from unicache_train.compress.presets import preset, text_style_baseline
-from unicache_train.config import (
-    ConfigError,
-    DataConfig,
-    ModelConfig,
-    RunConfig,
-    SyntheticDataConfig,
-)
+from unicache_train.data.config import DataConfig, SyntheticDataConfig
 from unicache_train.data.tokenizer import load_tokenizer
 from unicache_train.eval.budget import unicache_at_rate
 from unicache_train.eval.report import CSV_COLUMNS, format_table, log_rows, write_outputs
@@ -29,6 +23,9 @@ from unicache_train.eval.sweep import (
     quality_row,
 )
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
+from unicache_train.train.config import RunConfig
+from unicache_train.validation import ConfigError
 
 
 def tiny_data() -> DataConfig:

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from unicache_train.compress import UniCacheCompressor
 from unicache_train.compress.config import ImportanceConfig, UniCacheConfig
 from unicache_train.compress.importance import pool_scores
-from unicache_train.config import ConfigError, ModelConfig
 from unicache_train.data.recall_mix import EVAL_SEED_FLOOR, write_recall_mix
 from unicache_train.data.tokenizer import ByteTokenizer
 from unicache_train.eval import (
@@ -27,7 +26,9 @@ from unicache_train.eval import (
 from unicache_train.eval.budget import measured_reduction, rate_for_reduction
 from unicache_train.eval.text import text_blocks
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
 from unicache_train.seam import IdentityCompressor
+from unicache_train.validation import ConfigError
 
 
 def byte_model(seed: int = 0) -> Decoder:

@@ -16,9 +16,11 @@ transformers = pytest.importorskip("transformers")
 from unicache_train.checkpoint.gguf import CheckpointNotFetched, fetched_dir  # noqa: E402
 from unicache_train.checkpoint.hf import export_hf, import_hf  # noqa: E402
 from unicache_train.checkpoint.serving import CHAT_TEMPLATE_FILES  # noqa: E402
-from unicache_train.config import DataConfig, ModelConfig, RunConfig  # noqa: E402
+from unicache_train.data.config import DataConfig  # noqa: E402
 from unicache_train.data.tokenizer import ByteTokenizer  # noqa: E402
 from unicache_train.model import Decoder  # noqa: E402
+from unicache_train.model.config import ModelConfig  # noqa: E402
+from unicache_train.train.config import RunConfig  # noqa: E402
 
 V = 272  # >= the test tokenizer's 261 tokens and the byte tokenizer's 260
 COMMON = dict(

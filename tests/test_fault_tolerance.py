@@ -28,10 +28,11 @@ from unicache_train.checkpoint.zero import (
     publish,
     remove_stale_temporaries,
 )
-from unicache_train.config import RunConfig, apply_overrides
 from unicache_train.data.datamodule import LMDataModule, PackedCollator, SeededSampler
+from unicache_train.train.config import RunConfig
 from unicache_train.train.run import fit, resolve_resume
 from unicache_train.train.strategies import CPUDeepSpeedStrategy
+from unicache_train.validation import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "fabric_driver.py"

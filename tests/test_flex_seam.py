@@ -27,7 +27,6 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 import unicache_train.model.attention as attn_mod
 from unicache_train.compress import UniCacheCompressor, UniCacheConfig
 from unicache_train.compress.presets import text_style_baseline
-from unicache_train.config import ModelConfig
 from unicache_train.model import Decoder
 from unicache_train.model.attention import (
     attend_segment_flex,
@@ -37,6 +36,7 @@ from unicache_train.model.attention import (
     segment_attention_mode,
     segment_flex_inputs,
 )
+from unicache_train.model.config import ModelConfig
 from unicache_train.seam import KVSegment
 
 TOL = dict(atol=1e-5, rtol=1e-5)

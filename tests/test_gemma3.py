@@ -11,9 +11,10 @@ transformers = pytest.importorskip("transformers")
 from unicache_train.checkpoint.hf import HFCheckpointError, export_hf, import_hf  # noqa: E402
 from unicache_train.compress import UniCacheCompressor, UniCacheConfig  # noqa: E402
 from unicache_train.compress.presets import text_style_baseline  # noqa: E402
-from unicache_train.config import ConfigError, ModelConfig  # noqa: E402
 from unicache_train.model import Decoder  # noqa: E402
+from unicache_train.model.config import ModelConfig  # noqa: E402
 from unicache_train.model.generate import decode_teacher_forced  # noqa: E402
+from unicache_train.validation import ConfigError  # noqa: E402
 
 V = 101
 

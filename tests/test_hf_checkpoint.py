@@ -15,8 +15,8 @@ from unicache_train.checkpoint.hf import (  # noqa: E402
     load_safetensors_dir,
     merge_kv_heads,
 )
-from unicache_train.config import ModelConfig  # noqa: E402
 from unicache_train.model import Decoder  # noqa: E402
+from unicache_train.model.config import ModelConfig  # noqa: E402
 
 V = 97
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -323,7 +323,7 @@ def test_finetune_hf_recipe_trains_mhc_and_exports(tmp_path):
 
 # ---------------------------------------------------------------------------------- CLI
 def _write_ckpt(path, model_cfg: ModelConfig, **run):
-    from unicache_train.config import RunConfig
+    from unicache_train.train.config import RunConfig
 
     torch.manual_seed(0)
     model = Decoder(model_cfg).eval()
@@ -335,7 +335,7 @@ def _write_ckpt(path, model_cfg: ModelConfig, **run):
 
 def test_cli_export_hf_and_deepseek_v3(tmp_path):
     from unicache_train.cli import main
-    from unicache_train.config import CompressionTrainConfig
+    from unicache_train.train.config import CompressionTrainConfig
 
     model = _write_ckpt(tmp_path / "gqa.ckpt", ModelConfig(**COMMON),
                         compress=CompressionTrainConfig(enabled=True))

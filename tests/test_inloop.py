@@ -10,17 +10,7 @@ import torch
 
 from unicache_train.compress import IdentityCompressor, UniCacheCompressor, UniCacheConfig
 from unicache_train.compress.presets import text_style_baseline
-from unicache_train.config import (
-    CompressionTrainConfig,
-    ConfigError,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    MonitorConfig,
-    RunConfig,
-    SyntheticDataConfig,
-    TrainConfig,
-)
+from unicache_train.data.config import DataConfig, SyntheticDataConfig
 from unicache_train.inloop import (
     compression_kl,
     continuation_mask,
@@ -29,8 +19,17 @@ from unicache_train.inloop import (
     step_generator,
 )
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.generate import decode_teacher_forced, generate_compressed
+from unicache_train.train.config import (
+    CompressionTrainConfig,
+    LoggingConfig,
+    MonitorConfig,
+    RunConfig,
+    TrainConfig,
+)
 from unicache_train.train.module import LMModule, causal_lm_loss
+from unicache_train.validation import ConfigError
 
 
 def tiny_model_config(**kw) -> ModelConfig:

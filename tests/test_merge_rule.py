@@ -15,8 +15,8 @@ import torch
 
 from unicache_train.compress import UniCacheCompressor, UniCacheConfig, presets
 from unicache_train.compress.config import MergeEvictConfig
-from unicache_train.config import ConfigError
 from unicache_train.seam import CompressionInput, KVSegment
+from unicache_train.validation import ConfigError
 
 T, D, PAIR = 12, 16, (5, 6)  # context tokens, head dim, the two tokens with one key
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from unicache_train.config import ModelConfig
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.convert import convert_to_mhc
 from unicache_train.model.decoder import Block
 from unicache_train.model.mhc import HyperConnection, HyperHead

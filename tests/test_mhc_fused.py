@@ -36,7 +36,7 @@ pytest.importorskip("triton")
 
 from triton_interp import INTERPRETER, run_interpreter_tests  # noqa: E402  (tests/ on sys.path)
 
-from unicache_train.config import ModelConfig  # noqa: E402
+from unicache_train.model.config import ModelConfig  # noqa: E402
 from unicache_train.model.mhc import HyperConnection  # noqa: E402
 from unicache_train.model.mlp import SwiGLU  # noqa: E402
 from unicache_train.model.norm import RMSNorm  # noqa: E402

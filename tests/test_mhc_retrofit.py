@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from unicache_train.config import ModelConfig
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.convert import convert_to_mhc
 from unicache_train.model.decoder import Decoder
 from unicache_train.model.mhc import HyperConnection, HyperHead

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from unicache_train.compress import IdentityCompressor
-from unicache_train.config import ModelConfig
 from unicache_train.model import Decoder, KVCache
 from unicache_train.model.attention import kv_bytes_per_token
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.kv_cache import LatentKVCache, new_kv_cache
 from unicache_train.seam import KVSegment, RecordingCompressor
 
@@ -446,7 +446,7 @@ def test_convert_recipe_config_loads():
     import sys
     from pathlib import Path
 
-    from unicache_train.config import ConfigError
+    from unicache_train.validation import ConfigError
 
     path = Path(__file__).resolve().parents[1] / "recipes" / "convert_to_mla.py"
     spec = importlib.util.spec_from_file_location("convert_to_mla_recipe", path)

@@ -12,10 +12,10 @@ from unicache_train.compress.config import XKVConfig
 from unicache_train.compress.merge_evict import TokenPlan, merge_tokens
 from unicache_train.compress.presets import text_style_baseline
 from unicache_train.compress.xkv import XKVCompressor
-from unicache_train.config import ModelConfig
 from unicache_train.inloop import continuation_mask
 from unicache_train.model import Decoder
 from unicache_train.model.compressed_cache import CompressedKVCache
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.generate import (
     decode_teacher_forced,
     generate_compressed,

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from unicache_train.compress import IdentityCompressor
-from unicache_train.config import ModelConfig
 from unicache_train.model import Decoder, KVCache
+from unicache_train.model.config import ModelConfig
 
 
 def tiny(**kw) -> ModelConfig:

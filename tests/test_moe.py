@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from unicache_train.config import ConfigError, ModelConfig
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.moe import (
     MoE,
     Router,
@@ -18,6 +18,7 @@ from unicache_train.model.moe import (
     moe_layers,
     update_router_bias,
 )
+from unicache_train.validation import ConfigError
 
 VOCAB = 97
 
@@ -374,14 +375,8 @@ def test_mhc_moe_trains_balances_and_exports_through_remote_code(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from unicache_train.checkpoint.hf import export_hf, import_hf
-    from unicache_train.config import (
-        DataConfig,
-        LoggingConfig,
-        MonitorConfig,
-        RunConfig,
-        SyntheticDataConfig,
-        TrainConfig,
-    )
+    from unicache_train.data.config import DataConfig, SyntheticDataConfig
+    from unicache_train.train.config import LoggingConfig, MonitorConfig, RunConfig, TrainConfig
     from unicache_train.train.run import fit
 
     model_cfg = ModelConfig(

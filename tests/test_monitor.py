@@ -9,16 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from unicache_train.config import (
-    CompressionTrainConfig,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    MonitorConfig,
-    RunConfig,
-    SyntheticDataConfig,
-    TrainConfig,
-)
+from unicache_train.data.config import DataConfig, SyntheticDataConfig
+from unicache_train.model.config import ModelConfig
 from unicache_train.monitor import (
     CompressionQualityMonitor,
     SignalGainMonitor,
@@ -29,6 +21,13 @@ from unicache_train.monitor import (
 )
 from unicache_train.monitor.callbacks import _LayerProbe
 from unicache_train.monitor.metrics import layer_mean_stats
+from unicache_train.train.config import (
+    CompressionTrainConfig,
+    LoggingConfig,
+    MonitorConfig,
+    RunConfig,
+    TrainConfig,
+)
 from unicache_train.train.module import LMModule
 from unicache_train.train.run import fit
 

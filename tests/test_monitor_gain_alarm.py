@@ -12,9 +12,10 @@ import pytest
 import torch
 from test_monitor import tiny_run
 
-from unicache_train.config import ConfigError, MonitorConfig
 from unicache_train.monitor import GainAlarm, SignalGainMonitor, find_callback
+from unicache_train.train.config import MonitorConfig
 from unicache_train.train.run import fit
+from unicache_train.validation import ConfigError
 
 LOGGER = "unicache_train.monitor.callbacks"
 

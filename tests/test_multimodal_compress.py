@@ -20,10 +20,11 @@ from unicache_train.compress import UniCacheCompressor, UniCacheConfig, presets
 from unicache_train.compress.budget import pooled_rates
 from unicache_train.compress.config import BudgetConfig, QuantizeConfig
 from unicache_train.compress.testing import check_budget, check_segment
-from unicache_train.config import ConfigError, ModelConfig
 from unicache_train.data.scenes import SceneConfig, make_sample
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.vision import VisionConfig
 from unicache_train.model.vlm import VisionLanguageModel
+from unicache_train.validation import ConfigError
 
 P = 16  # 32 x 32 images, 8 x 8 patches
 

@@ -46,7 +46,8 @@ from unicache_train.checkpoint.zero import (
     to_universal_checkpoint,
     zero_world_size,
 )
-from unicache_train.config import RunConfig, apply_overrides
+from unicache_train.train.config import RunConfig
+from unicache_train.validation import apply_overrides
 
 pytest.importorskip("deepspeed")
 

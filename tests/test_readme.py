@@ -21,7 +21,10 @@ def test_readme_is_a_page_not_a_book() -> None:
     assert len(README.read_text().splitlines()) <= 250
 
 
-@pytest.mark.parametrize("page", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_relative_link_points_at_a_file_that_exists(page: Path) -> None:
     missing = [
         target

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from unicache_train.config import ConfigError, RunConfig
 from unicache_train.recipe import (
     FinetuneOptions,
     parse_recipe_args,
@@ -20,6 +19,8 @@ from unicache_train.recipe import (
     run_recipe,
     run_sections,
 )
+from unicache_train.train.config import RunConfig
+from unicache_train.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"

@@ -15,8 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from unicache_train.checkpoint.hf import HFCheckpointError, export_hf, import_hf  # noqa: E402
-from unicache_train.config import ConfigError, ModelConfig, RopeScalingConfig  # noqa: E402
 from unicache_train.model import Decoder  # noqa: E402
+from unicache_train.model.config import ModelConfig, RopeScalingConfig  # noqa: E402
 from unicache_train.model.kv_cache import new_kv_cache  # noqa: E402
 from unicache_train.model.rope import (  # noqa: E402
     RotaryEmbedding,
@@ -24,6 +24,7 @@ from unicache_train.model.rope import (  # noqa: E402
     inv_frequencies,
     mla_softmax_mscale,
 )
+from unicache_train.validation import ConfigError  # noqa: E402
 
 V = 260  # the byte tokenizer's vocabulary: exports carry a tokenizer
 # fp32 logits, same formulas in the same op order: observed max |diff| 0 on O(1) logits.
@@ -261,8 +262,8 @@ def test_unicache_then_xkv_at_full_rank_is_exact_on_a_yarn_model():
     """UniCache (rate 0) then xKV at full rank on pre-RoPE keys: the fit un-rotates the kept,
     post-RoPE keys with the scaled table's true inverse, so the continuation's logits are the
     plain forward's (the old ``(cos, -sin)`` inverse is off by a^2 here: ~4 on these logits)."""
-    from unicache_train.config import CompressionTrainConfig
     from unicache_train.inloop import build_compressor, continuation_mask
+    from unicache_train.train.config import CompressionTrainConfig
 
     torch.manual_seed(0)
     model = Decoder(ModelConfig(**{**LLAMA, "num_hidden_layers": 3}, rope_theta=10000.0,
@@ -375,7 +376,7 @@ def test_rope_scaling_config_errors_name_field_value_and_allowed(fields, match):
 
 
 def test_rope_scaling_round_trips_through_yaml_and_dicts(tmp_path):
-    from unicache_train.config import RunConfig
+    from unicache_train.train.config import RunConfig
 
     run = RunConfig.from_dict({"model": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}})
     assert isinstance(run.model.rope_scaling, RopeScalingConfig)

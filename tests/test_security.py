@@ -18,14 +18,9 @@ import torch
 from unicache_train.checkpoint import load_checkpoint
 from unicache_train.checkpoint.safe_load import UnsafeCheckpointError, load_torch_file
 from unicache_train.checkpoint.zero import consolidate_zero_checkpoint, read_zero_client_state
-from unicache_train.config import (
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    RunConfig,
-    SyntheticDataConfig,
-    TrainConfig,
-)
+from unicache_train.data.config import DataConfig, SyntheticDataConfig
+from unicache_train.model.config import ModelConfig
+from unicache_train.train.config import LoggingConfig, RunConfig, TrainConfig
 from unicache_train.train.strategies import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,11 +10,12 @@ import torch
 
 from unicache_train.compress import IdentityCompressor, UniCacheCompressor, UniCacheConfig
 from unicache_train.compress.presets import text_style_baseline
-from unicache_train.config import ConfigError, ModelConfig
 from unicache_train.model import Decoder
 from unicache_train.model.attention import sliding_causal_mask
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.generate import decode_teacher_forced, generate_compressed
 from unicache_train.seam import RecordingCompressor
+from unicache_train.validation import ConfigError
 
 V = 97
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -266,8 +267,8 @@ def test_transformers_compressed_cache_refuses_windowed_exports(tmp_path):
 def test_lightning_module_compressed_loss_with_windowed_layers():
     """The training objective (LMModule.compressed_loss, KL term, metrics) runs on a windowed
     model; the windowed layers log kv_reduction 1 and rate 0, the full layer compresses."""
-    from unicache_train.config import CompressionTrainConfig, RunConfig
     from unicache_train.monitor.metrics import compression_metrics
+    from unicache_train.train.config import CompressionTrainConfig, RunConfig
     from unicache_train.train.module import LMModule
 
     cfg = RunConfig(

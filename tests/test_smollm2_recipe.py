@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from unicache_train.config import ConfigError, ModelConfig
 from unicache_train.eval.budget import measured_reduction
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
+from unicache_train.validation import ConfigError
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_compress.py"
 

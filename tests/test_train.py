@@ -10,14 +10,9 @@ import lightning as L
 import pytest
 import torch
 
-from unicache_train.config import (
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    RunConfig,
-    SyntheticDataConfig,
-    TrainConfig,
-)
+from unicache_train.data.config import DataConfig, SyntheticDataConfig
+from unicache_train.model.config import ModelConfig
+from unicache_train.train.config import LoggingConfig, RunConfig, TrainConfig
 from unicache_train.train.module import warmup_cosine
 from unicache_train.train.run import apply_launcher_env, fit
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from unicache_train.config import ModelConfig, TrainConfig
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
 from unicache_train.seam import IdentityCompressor
+from unicache_train.train.config import TrainConfig
 from unicache_train.train.loop import endless, train_steps
 
 V = 61

@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 import cache_exactness as ce  # noqa: E402  (tests/ is on sys.path under pytest's rootdir)
 
 from unicache_train.checkpoint.policy import read_policy  # noqa: E402
-from unicache_train.config import ConfigError  # noqa: E402
 from unicache_train.transformers_cache import CompressedCache  # noqa: E402
+from unicache_train.validation import ConfigError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from unicache_train.compress import IdentityCompressor, UniCacheCompressor, UniCacheConfig
-from unicache_train.config import ConfigError, ModelConfig
 from unicache_train.data.multimodal import (
     MultimodalCollator,
     MultimodalDataConfig,
@@ -38,6 +37,7 @@ from unicache_train.eval.vlm import (
     variant_config,
     write_vlm_outputs,
 )
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.generate import decode_teacher_forced
 from unicache_train.model.vision import VisionConfig, patchify
 from unicache_train.model.vlm import VisionLanguageModel
@@ -48,6 +48,7 @@ from unicache_train.train.vlm import (
     fit_vlm,
     load_vlm_checkpoint,
 )
+from unicache_train.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENES = SceneConfig(image_size=32, cell_size=8, max_shapes=3, max_describe=2)

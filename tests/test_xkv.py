@@ -11,11 +11,13 @@ from unicache_train.compress import UniCacheCompressor, UniCacheConfig
 from unicache_train.compress.config import XKVConfig
 from unicache_train.compress.presets import text_style_baseline
 from unicache_train.compress.xkv import XKVCompressor, flatten_heads, layer_groups, select_rank
-from unicache_train.config import CompressionTrainConfig, ConfigError, ModelConfig, RunConfig
 from unicache_train.inloop import build_compressor, continuation_mask
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.generate import decode_teacher_forced, generate_compressed
+from unicache_train.train.config import CompressionTrainConfig, RunConfig
 from unicache_train.train.module import LMModule
+from unicache_train.validation import ConfigError
 
 V = 97
 
@@ -486,7 +488,7 @@ def test_train_config_methods() -> None:
 
 # ------------------------------------------------------------------ evaluation
 def test_evaluation_rows_at_equal_kv_bytes(tmp_path) -> None:
-    from unicache_train.config import DataConfig, SyntheticDataConfig
+    from unicache_train.data.config import DataConfig, SyntheticDataConfig
     from unicache_train.data.tokenizer import load_tokenizer
     from unicache_train.eval.report import format_table, write_outputs
     from unicache_train.eval.sweep import CompressionEvalConfig, evaluate_compression

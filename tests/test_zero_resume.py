@@ -32,14 +32,16 @@ from distributed_runs import MODEL, fabric_run, mean_losses, read_rows, run_over
 
 from unicache_train.checkpoint import load_checkpoint
 from unicache_train.checkpoint.zero import has_universal_checkpoint, zero_world_size
-from unicache_train.config import DataConfig, RunConfig, apply_overrides
+from unicache_train.data.config import DataConfig
 from unicache_train.data.datamodule import LMDataModule, SeededSampler
+from unicache_train.train.config import RunConfig
 from unicache_train.train.module import LMModule
 from unicache_train.train.strategies import (
     CPUDeepSpeedStrategy,
     _non_optimizer_state,
     _restore_non_optimizer_state,
 )
+from unicache_train.validation import apply_overrides
 
 STEPS = 8
 RESUME_AT = 4

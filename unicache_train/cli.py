@@ -16,19 +16,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from unicache_train.config import (
+from unicache_train.data.config import DataConfig
+from unicache_train.data.multimodal import MultimodalDataConfig
+from unicache_train.eval.sweep import CompressionEvalConfig
+from unicache_train.model.config import ModelConfig
+from unicache_train.model.vision import VisionConfig
+from unicache_train.train.config import (
     CompressionTrainConfig,
-    ConfigError,
-    DataConfig,
     LoggingConfig,
-    ModelConfig,
     MonitorConfig,
     RunConfig,
     TrainConfig,
 )
-from unicache_train.data.multimodal import MultimodalDataConfig
-from unicache_train.eval.sweep import CompressionEvalConfig
-from unicache_train.model.vision import VisionConfig
+from unicache_train.validation import ConfigError
 
 
 def fit(
@@ -353,7 +353,8 @@ def _fold_compress_flags(argv: list[str]) -> list[str]:
     """
     import json
 
-    from unicache_train.config import deep_merge, load_yaml
+    from unicache_train.train.config import deep_merge
+    from unicache_train.validation import load_yaml
 
     if not argv or argv[0] not in ("fit", "pretrain", "vlm"):
         return argv

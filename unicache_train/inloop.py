@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from unicache_train.config import CompressionTrainConfig
 from unicache_train.model.loss import IGNORE_INDEX, masked_nll  # in __all__: shared by train/eval
 from unicache_train.seam import IdentityCompressor, KVCompressor
+from unicache_train.train.config import CompressionTrainConfig
 
 __all__ = [
     "IGNORE_INDEX",

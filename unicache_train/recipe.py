@@ -8,7 +8,7 @@ Every recipe takes the same arguments::
 
 * ``--config FILE.yaml`` replaces the recipe's default YAML;
 * ``section.field=value`` overrides are applied to the loaded YAML (values read as YAML scalars:
-  :func:`~unicache_train.config.apply_overrides`, the same as ``RunConfig.load``);
+  :func:`~unicache_train.validation.apply_overrides`, the same as ``RunConfig.load``);
 * ``FLAG VALUE`` is a recipe's short spelling of one override (``--checkpoint X`` is
   ``recipe.base_checkpoint=X``);
 * ``-h`` / ``--help`` prints the recipe's docstring and every field of its sections, with the
@@ -32,15 +32,15 @@ from typing import Any
 
 import yaml
 
-from unicache_train.config import (
+from unicache_train.train.config import RunConfig, deep_merge, pop_config_path
+from unicache_train.validation import (
+    ConfigBase,
     ConfigError,
-    RunConfig,
     apply_overrides,
-    deep_merge,
+    build_config,
+    check_int,
     load_yaml,
-    pop_config_path,
 )
-from unicache_train.validation import ConfigBase, build_config, check_int
 
 __all__ = [
     "parse_recipe_args",

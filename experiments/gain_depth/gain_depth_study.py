@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from unicache_train.config import ModelConfig, SyntheticDataConfig
+from unicache_train.data.config import SyntheticDataConfig
 from unicache_train.data.synthetic import synthetic_corpus
 from unicache_train.data.tokenizer import ByteTokenizer
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
 from unicache_train.monitor.gain import mix_stats, rms
 from unicache_train.train.module import causal_lm_loss
 

@@ -55,12 +55,12 @@ import torch
 
 import unicache_train.compress.merge_evict as merge_evict
 from unicache_train.compress import UniCacheCompressor, UniCacheConfig
-from unicache_train.config import RunConfig
 from unicache_train.data.datamodule import LMDataModule
 from unicache_train.eval.sweep import CompressionEvalConfig, evaluate_compression
 from unicache_train.inloop import continuation_mask, sample_splits, step_generator
 from unicache_train.model import Decoder
 from unicache_train.seam import CompressionInput, KVSegment
+from unicache_train.train.config import RunConfig
 from unicache_train.train.module import IGNORE_INDEX, causal_lm_loss, warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[2]

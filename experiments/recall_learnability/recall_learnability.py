@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from unicache_train.config import ModelConfig
 from unicache_train.data import synthetic
 from unicache_train.data.tokenizer import ByteTokenizer
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.decoder import Decoder
 
 #: Key letters; "Q" is left out: it starts the question lines.

@@ -32,11 +32,11 @@ def main(argv: list[str] | None = None) -> Path:
     from safetensors.torch import load_file
 
     from unicache_train.checkpoint.gguf import KNOWN, fetch
-    from unicache_train.config import ModelConfig
     from unicache_train.data.reference_text import reference_documents
     from unicache_train.data.tokenizer import load_tokenizer
     from unicache_train.eval.text import text_blocks
     from unicache_train.model import Decoder
+    from unicache_train.model.config import ModelConfig
     from unicache_train.seam import IdentityCompressor, RecordingCompressor
 
     stem = Path(args.model)

@@ -53,7 +53,7 @@ def training_data(work: Path, ckpt, **data) -> dict:
 
 def training_datamodule(work: Path, ckpt, **data):
     """:func:`training_data` as a set-up data module."""
-    from unicache_train.config import DataConfig
+    from unicache_train.data.config import DataConfig
     from unicache_train.data.datamodule import LMDataModule
 
     dm = LMDataModule(DataConfig(**training_data(work, ckpt, **data)))
@@ -98,7 +98,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from unicache_train.checkpoint.gguf import KNOWN, fetch
     from unicache_train.checkpoint.hf import import_hf
-    from unicache_train.config import TrainConfig
     from unicache_train.data.reference_text import reference_documents
     from unicache_train.data.tokenizer import load_tokenizer
     from unicache_train.eval import RecallTask, recall_records, run_recall, run_text_perplexity
@@ -106,6 +105,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from unicache_train.model import Decoder
     from unicache_train.model.convert_mla import convert_to_mla_with_report, kv_elements_per_token
     from unicache_train.seam import IdentityCompressor
+    from unicache_train.train.config import TrainConfig
     from unicache_train.train.loop import endless, train_steps
 
     t_start = time.time()

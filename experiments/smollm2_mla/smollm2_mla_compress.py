@@ -42,7 +42,7 @@ def training_data(work: Path, ckpt, **data) -> dict:
 
 def training_datamodule(work: Path, ckpt, **data):
     """:func:`training_data` as a set-up data module."""
-    from unicache_train.config import DataConfig
+    from unicache_train.data.config import DataConfig
     from unicache_train.data.datamodule import LMDataModule
 
     dm = LMDataModule(DataConfig(**training_data(work, ckpt, **data)))
@@ -93,13 +93,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from unicache_train.checkpoint.gguf import KNOWN, fetch
     from unicache_train.checkpoint.hf import import_hf
     from unicache_train.compress import UniCacheCompressor
-    from unicache_train.config import ModelConfig
     from unicache_train.data.reference_text import reference_documents
     from unicache_train.data.tokenizer import load_tokenizer
     from unicache_train.eval import RecallTask, recall_records, run_recall, run_text_perplexity
     from unicache_train.eval.budget import rate_for_reduction, text_unicache
     from unicache_train.eval.text import text_blocks
     from unicache_train.model import Decoder
+    from unicache_train.model.config import ModelConfig
     from unicache_train.model.convert_mla import kv_elements_per_token
     from unicache_train.seam import IdentityCompressor
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     evaluate_all()
     if args.finetune_steps:
-        from unicache_train.config import TrainConfig
+        from unicache_train.train.config import TrainConfig
         from unicache_train.train.loop import endless, train_steps
 
         data = training_datamodule(stem.parent, ckpt)

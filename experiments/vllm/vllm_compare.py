@@ -148,8 +148,8 @@ def export_mla(args) -> None:
     if args.saved:  # a healed conversion (experiments/smollm2_mla/smollm2_mla.py --save-dir)
         from safetensors.torch import load_file
 
-        from unicache_train.config import ModelConfig
         from unicache_train.model import Decoder
+        from unicache_train.model.config import ModelConfig
 
         stem = Path(args.saved)
         mla = Decoder(ModelConfig.from_dict(json.loads(stem.with_suffix(".json").read_text())))

@@ -160,7 +160,7 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from unicache_train.config import DataConfig
+    from unicache_train.data.config import DataConfig
 
     data_cfg = DataConfig(seq_len=256, batch_size=16, pack=False)
     results: dict[str, LayerAlignment] = {}

@@ -47,8 +47,8 @@ from bench_common import add_common_arguments, bench_data, load_batches, report
 
 from unicache_train.compress.config import XKVConfig
 from unicache_train.compress.xkv import XKVCompressor
-from unicache_train.config import ModelConfig
 from unicache_train.inloop import IGNORE_INDEX, sample_splits, step_generator
+from unicache_train.model.config import ModelConfig
 from unicache_train.seam import RecordedContext, RecordingCompressor
 
 VARIANTS = {

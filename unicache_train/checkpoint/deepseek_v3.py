@@ -54,8 +54,9 @@ from unicache_train.checkpoint.hf import (
     rope_from_hf,
     rope_to_hf,
 )
-from unicache_train.config import ConfigError, ModelConfig, RopeScalingConfig
 from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig, RopeScalingConfig
+from unicache_train.validation import ConfigError
 
 __all__ = [
     "DeepseekV3ExportError",

@@ -24,7 +24,7 @@ from unicache_train.checkpoint.hf import (
 )
 from unicache_train.checkpoint.lightning_ckpt import load_checkpoint
 from unicache_train.checkpoint.policy import policy_of
-from unicache_train.config import RunConfig
+from unicache_train.train.config import RunConfig
 
 __all__ = ["EXPORT_FORMATS", "export_checkpoint", "compression_policy_of"]
 

@@ -28,7 +28,8 @@ zeros, and export writes zero ``o_proj`` biases (and zero q/k/v biases for Qwen2
 has none): exact, not approximate.
 
 RoPE scaling (``rope_parameters`` / legacy ``rope_scaling``): ``default``, ``linear``, ``dynamic``,
-``llama3`` and ``yarn`` import into :class:`~unicache_train.config.RopeScalingConfig` and export
+``llama3`` and ``yarn`` import into
+:class:`~unicache_train.model.config.RopeScalingConfig` and export
 back (:func:`rope_from_hf`, :func:`rope_to_hf`); defaults are resolved as transformers does
 (``original_max_position_embeddings``: the top-level field, else the rope dict's, else
 ``max_position_embeddings``; a YaRN ``factor`` of null: their ratio). Export writes the rope dict
@@ -74,14 +75,9 @@ from unicache_train.checkpoint.policy import (  # noqa: F401  (re-exported)
     COMPRESSION_SCHEMA_VERSION,
     write_compression_config,
 )
-from unicache_train.config import (
-    ROPE_TYPE_FIELDS,
-    ROPE_TYPES,
-    ConfigError,
-    ModelConfig,
-    RopeScalingConfig,
-)
 from unicache_train.model import Decoder
+from unicache_train.model.config import ROPE_TYPE_FIELDS, ROPE_TYPES, ModelConfig, RopeScalingConfig
+from unicache_train.validation import ConfigError
 
 __all__ = [
     "FAMILIES",

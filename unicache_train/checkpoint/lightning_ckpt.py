@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from unicache_train.checkpoint.safe_load import load_torch_file
-from unicache_train.config import RunConfig
 from unicache_train.model import Decoder
+from unicache_train.train.config import RunConfig
 
 
 def load_checkpoint(path: str | Path, map_location: str = "cpu") -> tuple[Decoder, RunConfig]:

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from unicache_train.config import COMPRESS_METHODS, CompressionTrainConfig
+from unicache_train.train.config import COMPRESS_METHODS, CompressionTrainConfig
 from unicache_train.validation import ConfigError
 
 __all__ = [

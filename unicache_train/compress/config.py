@@ -3,9 +3,9 @@
 One dataclass per pipeline step; :class:`UniCacheConfig` holds them plus the global target, the
 curriculum ``rate_scale`` and the cache dtype used by the byte accounting. Defaults are the UniCache
 article's unless a field says otherwise, and where the article recommends a range that range is
-enforced, so a value outside it raises :class:`~unicache_train.config.ConfigError` naming the field,
-the value and the allowed range. The step classes (``HeadMerge``, ``Importance``, ...) subclass
-these dataclasses, so a method's fields *are* its hyperparameters.
+enforced, so a value outside it raises :class:`~unicache_train.validation.ConfigError` naming
+the field, the value and the allowed range. The step classes (``HeadMerge``, ``Importance``,
+...) subclass these dataclasses, so a method's fields *are* its hyperparameters.
 
 Rate convention (UniCache article §4.3, §5.2, §5.3, §7.2): a **compression rate** is the fraction of
 context tokens *removed* (evicted or merged away): 0 keeps everything, 0.75 keeps a quarter. The

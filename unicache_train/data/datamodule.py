@@ -63,9 +63,10 @@ import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from unicache_train.config import ConfigError, DataConfig
+from unicache_train.data.config import DataConfig
 from unicache_train.data.synthetic import synthetic_corpus
 from unicache_train.data.tokenizer import Tokenizer, load_tokenizer
+from unicache_train.validation import ConfigError
 
 __all__ = [
     "LMDataModule",
@@ -397,7 +398,7 @@ class SeededSampler(DistributedSampler):
 
 # --------------------------------------------------------------------------------- datamodule
 class LMDataModule(L.LightningDataModule):
-    """Causal-LM batches from :class:`~unicache_train.config.DataConfig` (see the module doc).
+    """Causal-LM batches from :class:`~unicache_train.data.config.DataConfig` (see the module doc).
 
     Args:
         config: the data config.

@@ -36,7 +36,7 @@ from typing import Any
 
 import datasets
 
-from unicache_train.config import SyntheticDataConfig
+from unicache_train.data.config import SyntheticDataConfig
 
 __all__ = [
     "PEOPLE",

@@ -5,7 +5,7 @@ UTF-8 bytes, then four special tokens::
 
     256 <pad>   257 <bos>   258 <eos>   259 <sep>   -> vocab_size 260
 
-which is why :class:`~unicache_train.config.ModelConfig` defaults to ``vocab_size = 260``. A
+which is why :class:`~unicache_train.model.config.ModelConfig` defaults to ``vocab_size = 260``. A
 model built for another tokenizer must take ``tokenizer.vocab_size`` (HF tokenizers: ``len(tok)``,
 added tokens included).
 

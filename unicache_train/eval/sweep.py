@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from unicache_train.config import ConfigError, DataConfig
+from unicache_train.data.config import DataConfig
 from unicache_train.eval.attn_kl import AttentionInputs, layer_kls
 from unicache_train.eval.budget import measured_reduction, rate_for_reduction, unicache_at_rate
 from unicache_train.eval.report import log_rows
@@ -70,7 +70,7 @@ from unicache_train.seam import (
     RecordingCompressor,
     pooled_kv_bytes,
 )
-from unicache_train.validation import check_choice, check_int, check_range
+from unicache_train.validation import ConfigError, check_choice, check_int, check_range
 
 __all__ = [
     "CompressionEvalConfig",

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from unicache_train.config import SyntheticDataConfig
+from unicache_train.data.config import SyntheticDataConfig
 from unicache_train.model import Decoder
 from unicache_train.seam import KVCompressor
 

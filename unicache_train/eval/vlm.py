@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 
-from unicache_train.config import ConfigError
 from unicache_train.data.multimodal import encode_sample
 from unicache_train.data.scenes import TASKS, SceneConfig, scene_samples
 from unicache_train.eval.budget import unicache_at_rate
 from unicache_train.eval.report import text_table, write_csv
 from unicache_train.seam import IdentityCompressor, KVCompressor
+from unicache_train.validation import ConfigError
 from unicache_train.validation import check_int as _int
 
 __all__ = [

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from unicache_train.config import ModelConfig
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.kv_cache import KVCache
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import apply_rope

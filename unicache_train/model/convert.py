@@ -55,7 +55,7 @@ import dataclasses
 
 import torch
 
-from unicache_train.config import HC_PRESETS, ModelConfig
+from unicache_train.model.config import HC_PRESETS, ModelConfig
 from unicache_train.model.decoder import Decoder
 
 __all__ = ["convert_to_mhc"]

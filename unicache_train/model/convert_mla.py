@@ -72,8 +72,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unicache_train.config import ModelConfig
 from unicache_train.model.attention import kv_bytes_per_token
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.decoder import Decoder
 from unicache_train.model.mla import LATENT_NORM_EPS
 

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unicache_train.config import ModelConfig
 from unicache_train.model.attention import Attention
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.kv_cache import KVCache, new_kv_cache
 from unicache_train.model.mlp import SwiGLU
 from unicache_train.model.moe import MoE, expert_loads, update_router_bias

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from unicache_train.config import ModelConfig
 from unicache_train.model.attention import kv_bytes_per_token
 from unicache_train.model.compressed_cache import CompressedKVCache, StoredSegment
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.decoder import Decoder
 from unicache_train.seam import KVCompressor, RecordingCompressor
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from unicache_train.config import ModelConfig
+from unicache_train.model.config import ModelConfig
 
 
 class KVCache:

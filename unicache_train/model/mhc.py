@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from unicache_train.config import ModelConfig
+from unicache_train.model.config import ModelConfig
 from unicache_train.ops import mhc as mhc_ops
 from unicache_train.ops.sinkhorn import sinkhorn
 

@@ -64,7 +64,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unicache_train.config import ModelConfig
 from unicache_train.model.attention import (
     _gather_rope,
     attend_segment_per_sample,
@@ -72,6 +71,7 @@ from unicache_train.model.attention import (
     segment_attention_mode,
 )
 from unicache_train.model.compressed_cache import CompressedKVCache
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.kv_cache import KVCache, LatentKVCache
 from unicache_train.model.norm import RMSNorm
 from unicache_train.model.rope import apply_rope, mla_softmax_mscale

@@ -55,7 +55,7 @@ import math
 import torch
 from torch import nn
 
-from unicache_train.config import RopeScalingConfig
+from unicache_train.model.config import RopeScalingConfig
 
 # NOTE: the rotation itself is a pure function in ops, so that compressors (pre-RoPE keys) use
 # it without importing the model; attention imports it from here beside the tables.

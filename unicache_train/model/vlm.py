@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from unicache_train.config import ModelConfig
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.decoder import Decoder, DecoderOutput
 from unicache_train.model.kv_cache import KVCache
 from unicache_train.model.vision import Projector, VisionConfig, VisionEncoder
@@ -41,7 +41,7 @@ class VisionLanguageModel(Decoder):
     """Decoder + vision tower + projector (LLaVA layout, Liu et al. arXiv 2304.08485).
 
     Args:
-        config: the decoder's :class:`~unicache_train.config.ModelConfig`.
+        config: the decoder's :class:`~unicache_train.model.config.ModelConfig`.
         vision: the :class:`~unicache_train.model.vision.VisionConfig`.
     """
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from unicache_train.config import ConfigError, RunConfig
+from unicache_train.train.config import RunConfig
+from unicache_train.validation import ConfigError
 
 __all__ = ["prepare_hf_run", "TOKENIZER_FILES"]
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unicache_train.config import TrainConfig
 from unicache_train.inloop import inloop_loss, step_generator
 from unicache_train.model.loss import causal_lm_loss
+from unicache_train.train.config import TrainConfig
 from unicache_train.train.module import warmup_cosine
 
 __all__ = ["LoopResult", "endless", "train_steps"]

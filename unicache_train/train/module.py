@@ -11,7 +11,6 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from unicache_train.config import RunConfig
 from unicache_train.inloop import (
     build_compressor,
     continuation_mask,
@@ -26,6 +25,7 @@ from unicache_train.model import Decoder
 from unicache_train.model.loss import causal_lm_loss  # re-exported: recipes/scripts import it here
 from unicache_train.model.moe import expert_loads, load_stats, update_router_bias
 from unicache_train.monitor.metrics import layer_mean_stats
+from unicache_train.train.config import RunConfig
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -13,9 +13,10 @@ import lightning as L
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 
-from unicache_train.config import ConfigError, RunConfig
+from unicache_train.train.config import RunConfig
 from unicache_train.train.module import LMModule
 from unicache_train.train.strategies import parallelize_model
+from unicache_train.validation import ConfigError
 
 log = logging.getLogger(__name__)
 

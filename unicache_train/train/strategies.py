@@ -68,7 +68,8 @@ from unicache_train.checkpoint.zero import (
     to_universal_checkpoint,
     zero_world_size,
 )
-from unicache_train.config import ConfigError, RunConfig, deep_merge
+from unicache_train.train.config import RunConfig, deep_merge
+from unicache_train.validation import ConfigError
 
 __all__ = [
     "build_strategy",

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unicache_train.config import ConfigError
 from unicache_train.data.scenes import NUM_CELL_CLASSES, SceneConfig, make_sample
 from unicache_train.model.vision import VisionEncoder
+from unicache_train.validation import ConfigError
 from unicache_train.validation import check_int as _int
 from unicache_train.validation import check_range as _range
 

@@ -18,21 +18,20 @@ from typing import Any
 import lightning as L
 import torch
 
-from unicache_train.config import (
-    CompressionTrainConfig,
-    ConfigError,
-    LoggingConfig,
-    ModelConfig,
-    MonitorConfig,
-    TrainConfig,
-)
 from unicache_train.data.multimodal import MultimodalDataConfig, MultimodalDataModule
 from unicache_train.data.scenes import TASKS
 from unicache_train.inloop import IGNORE_INDEX
+from unicache_train.model.config import ModelConfig
 from unicache_train.model.vision import VisionConfig
 from unicache_train.model.vlm import VisionLanguageModel
+from unicache_train.train.config import (
+    CompressionTrainConfig,
+    LoggingConfig,
+    MonitorConfig,
+    TrainConfig,
+)
 from unicache_train.train.module import LMModule
-from unicache_train.validation import ConfigBase
+from unicache_train.validation import ConfigBase, ConfigError
 from unicache_train.validation import build_config as _build
 
 __all__ = [
@@ -57,7 +56,7 @@ _SECTIONS: dict[str, type] = {
 
 @dataclass
 class VLMRunConfig(ConfigBase):
-    """A vision-language run: :class:`~unicache_train.config.RunConfig`'s sections with a
+    """A vision-language run: :class:`~unicache_train.train.config.RunConfig`'s sections with a
     ``vision`` section and multimodal ``data`` (:class:`MultimodalDataConfig`).
 
     ``to_dict``, ``save`` and ``load`` (YAML + ``section.field=value`` overrides) are
