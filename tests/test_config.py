@@ -69,3 +69,19 @@ def test_unknown_fields_and_bad_files(tmp_path):
         RunConfig.load(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="must look like section.field=value"):
         RunConfig.load(RunConfig().save(tmp_path / "c.yaml"), overrides=["train.lr"])
+
+
+def test_importing_the_model_imports_no_compressor_and_no_training_code() -> None:
+    """Configs live with their packages: the decoder and its config load without compress/,
+    train/ (Lightning) or the run configuration."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, unicache_train.model, unicache_train.model.config\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('unicache_train.compress',"
+        " 'unicache_train.train', 'unicache_train.config', 'lightning')))\n"
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"importing the model loaded: {out.stdout.strip()}"
