@@ -31,15 +31,22 @@ demo: fetch
 demo-tiny: install
 	OMP_NUM_THREADS=1 $(BIN)/python recipes/finetune_compress.py
 
-# NVIDIA kvpress presses on the base SmolLM2, the same held-out prompts (its own venv: kvpress
-# pins transformers < 5.3). Pass MODEL=DIR for one of our exports (TOKENIZER=DIR if it has none).
+# Training-free anchors (experiments/kvpress/, its own venv: kvpress pins transformers < 5.3):
+# kvpress presses at 16 bits and followed by int8/int4 storage at equal KV bytes, plain int8/int4,
+# and a no-press row checked against our own harness, on 200 held-out 8-pair recall prompts.
+# MODEL=DIR for one of our exports (TOKENIZER=DIR if it has none), NAME=row label.
 SMOLLM2 = $$($(BIN)/python -c "from unicache_train.checkpoint.gguf import fetched_dir; print(fetched_dir('smollm2'))")
+KV_MODEL = $(or $(MODEL),$(SMOLLM2))
+KV_NAME  = $(or $(NAME),base)
 kvpress-baseline: fetch
-	scripts/kvpress_env.sh
-	$(BIN)/python scripts/kvpress_baseline.py prompts --out runs/kvpress/prompts.jsonl --num 32
-	.venv-kvpress/bin/python scripts/kvpress_baseline.py run --prompts runs/kvpress/prompts.jsonl \
-		--model $(or $(MODEL),$(SMOLLM2)) --tokenizer $(or $(TOKENIZER),$(SMOLLM2)) \
-		--name $(or $(NAME),base) --reduction $(or $(REDUCTION),4) --out runs/kvpress/kvpress.csv
+	experiments/kvpress/kvpress_env.sh
+	$(BIN)/python experiments/kvpress/kvpress_baseline.py prompts --out runs/kvpress/recall8.jsonl --num 200
+	$(BIN)/python experiments/kvpress/kvpress_baseline.py reference --prompts runs/kvpress/recall8.jsonl \
+		--model $(KV_MODEL) --tokenizer $(or $(TOKENIZER),$(KV_MODEL)) \
+		--out runs/kvpress/$(KV_NAME)_reference.jsonl
+	.venv-kvpress/bin/python experiments/kvpress/kvpress_baseline.py run --prompts runs/kvpress/recall8.jsonl \
+		--model $(KV_MODEL) --tokenizer $(or $(TOKENIZER),$(KV_MODEL)) --name $(KV_NAME) \
+		--reference runs/kvpress/$(KV_NAME)_reference.jsonl --out-dir runs/kvpress
 
 # Serving parity: vLLM's CPU build (its own venv, .venv-vllm) loads an export and decodes 20 fixed
 # prompts greedily; the tokens are compared with transformers' on the same weights, one CSV row a

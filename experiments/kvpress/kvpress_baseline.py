@@ -1,0 +1,409 @@
+"""Training-free anchors at equal KV bytes: NVIDIA kvpress presses on the same weights and the
+same prompts as our evaluation, alone (16-bit) and followed by int4/int8 storage of what they
+keep, plain int4/int8 with no eviction, and a "no press" sanity row.
+
+Two halves, two environments (kvpress pins transformers < 5.3; the project needs >= 5.8):
+
+1. in the project's venv, write held-out prompts (fields ``id, task, context, question,
+   answer``; seeds >= 1,000,000 only) and our own harness's predictions on them::
+
+       python experiments/kvpress/kvpress_baseline.py prompts --out runs/kvpress/recall8.jsonl \\
+           --num 200 --pairs 8 --seed 1000003
+       python experiments/kvpress/kvpress_baseline.py reference --prompts runs/kvpress/recall8.jsonl \\
+           --model DIR --out runs/kvpress/base_reference.jsonl
+
+2. in ``.venv-kvpress`` (``experiments/kvpress/kvpress_env.sh``), the grid of rows::
+
+       .venv-kvpress/bin/python experiments/kvpress/kvpress_baseline.py run \\
+           --prompts runs/kvpress/recall8.jsonl --model DIR --name base \\
+           --reference runs/kvpress/base_reference.jsonl --out-dir experiments/smollm2_evidence
+
+   Rows go to ``<out-dir>/kvpress_<name>.csv`` (appended), one JSONL of per-prompt predictions
+   per row beside it: ``kvpress_<name>_<press>_<setting>.jsonl`` (``id, task, answer,
+   prediction, correct``), ``setting`` = storage and target, e.g. ``int4_8x``; ``16bit`` alone
+   is the no-press row, ``int4`` alone plain int4.
+
+Each prompt, exactly like :func:`unicache_train.eval.recall.run_recall` one prompt at a time:
+the context (``[bos] + "key: value" lines``) is prefilled with the press active (kvpress
+compresses each layer's cache during the prefill forward, so the press never sees the
+question), the kept entries are fake-quantized in place (storage ``int4``/``int8``), the
+question is fed on the compressed cache at its true positions and the answer decoded greedily
+(``len(tokens(" " + answer)) + 1`` tokens, first line, stripped, exact match).
+
+Byte accounting, ours (:func:`unicache_train.seam.stored_kv_bytes` with one fp16 scale per
+(token, KV head) vector, ``granularity="token_head"``; read there, re-stated here because this
+half runs without our package): per kept token, layer and KV head, K and V each store
+``D * bits / 8`` bytes + a 2-byte scale (16-bit: ``2 * D`` bytes, no scale); the uncompressed
+16-bit cache stores ``2 * D`` bytes each for every context token. With ``D = 64``: 256 bytes
+uncompressed, 68 at int4, 132 at int8. A press that keeps a fraction ``f`` of the tokens reaches
+``256 / (f * stored)``, so a target ``R`` needs ``f = 256 / (R * stored)``, i.e. kvpress's
+``compression_ratio = 1 - f`` (int4: 4x -> 0.059, 8x -> 0.529; int8: 4x -> 0.515, 8x -> 0.758;
+16-bit: 1 - 1/R). The reported ``kv_reduction`` is measured on the caches the run produced (the
+tokens each layer really kept, summed over prompts), not the nominal one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EVAL_SEED_FLOOR = 1_000_000  # unicache_train.data.recall_mix.EVAL_SEED_FLOOR
+SCALE_BYTES = 2  # one fp16 scale per (token, KV head) vector
+PRESSES = ("StreamingLLM", "SnapKV", "Knorm", "ExpectedAttention", "TOVA", "KeyDiff")
+CSV_COLUMNS = (
+    "model", "weights", "weights_sha256", "method", "press", "storage", "target_reduction",
+    "compression_ratio", "kv_reduction", "kept_fraction", "task", "hits", "n", "recall",
+    "recall_se", "reference_hits", "reference_disagree", "seconds", "s_per_prompt",
+    "predictions", "threads", "transformers", "kvpress",
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ bytes and storage
+def vector_bytes(bits: int, head_dim: int) -> int:
+    """Stored bytes of one K (or V) vector of ``head_dim`` values: 16-bit floats, or packed
+    ``bits``-bit integers plus one fp16 scale."""
+    if bits == 16:
+        return 2 * head_dim
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits} is out of range; allowed 4, 8, 16")
+    return head_dim * bits // 8 + SCALE_BYTES
+
+
+def press_ratio(target: float, bits: int, head_dim: int) -> float:
+    """kvpress ``compression_ratio`` (share of context tokens evicted) that reaches ``target``
+    times fewer KV bytes than the 16-bit cache when the kept tokens are stored at ``bits``."""
+    kept = vector_bytes(16, head_dim) / (target * vector_bytes(bits, head_dim))
+    if not 0.0 < kept <= 1.0:
+        raise ValueError(
+            f"target={target} at {bits} bits is out of reach: storage alone gives "
+            f"{vector_bytes(16, head_dim) / vector_bytes(bits, head_dim):.3f}x"
+        )
+    return 1.0 - kept
+
+
+def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric quantize-dequantize, one fp16 scale per vector (last axis), as
+    :func:`unicache_train.compress.quantize.quantize_symmetric` with ``granularity="token_head"``:
+    ``scale = fp16(max|x| / qmax)``, ``q = clamp(round(x / scale), -qmax, qmax)``.
+
+    Args:
+        x: [B, H, T, D].
+
+    Returns:
+        [B, H, T, D] in x's dtype: ``q * scale``.
+    """
+    qmax = 2 ** (bits - 1) - 1
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / qmax).clamp(max=65504.0).half().float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero vector: q = 0
+    return (torch.round(xf / scale).clamp(-qmax, qmax) * scale).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------ the grid
+@dataclass(frozen=True)
+class Setting:
+    """One row: a press (None: no eviction) at a target reduction (None: whatever storage
+    alone gives), with the kept entries stored at ``bits``."""
+
+    press: str | None
+    bits: int
+    target: float | None
+
+    @property
+    def storage(self) -> str:
+        return "16bit" if self.bits == 16 else f"int{self.bits}"
+
+    @property
+    def name(self) -> str:
+        """``<press>_<storage>[_<target>x]``: ``none_16bit`` is the no-press row."""
+        tail = f"_{self.target:g}x" if self.target is not None else ""
+        return f"{self.press or 'none'}_{self.storage}{tail}"
+
+    @property
+    def method(self) -> str:
+        """Row label of the study table: ``kvpress:SnapKV+int4``, ``int4`` (plain), ``none``."""
+        if self.press is None:
+            return "none" if self.bits == 16 else self.storage
+        return f"kvpress:{self.press}" + ("" if self.bits == 16 else f"+{self.storage}")
+
+    def ratio(self, head_dim: int) -> float:
+        return 0.0 if self.target is None else press_ratio(self.target, self.bits, head_dim)
+
+
+def build_grid(
+    presses: list[str], reductions: list[float], storages: list[int], plain: bool
+) -> list[Setting]:
+    """The no-press row first, then plain quantization, then every press x storage x target."""
+    grid = [Setting(None, 16, None)]
+    if plain:
+        grid += [Setting(None, b, None) for b in storages if b != 16]
+    grid += [Setting(p, b, r) for r in reductions for b in storages for p in presses]
+    return grid
+
+
+# ------------------------------------------------------------------------------ prompts
+def read_prompts(path: Path) -> list[dict]:
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for r in recs:
+        missing = {"id", "task", "context", "question", "answer"} - set(r)
+        if missing:
+            raise ValueError(f"{path}: record {r.get('id', '?')} lacks {sorted(missing)}")
+    if len({r["id"] for r in recs}) != len(recs):
+        raise ValueError(f"{path}: prompt ids are not unique")
+    return recs
+
+
+def write_prompts(args) -> None:
+    """Held-out recall prompts (project venv: the records of ``unicache_train.eval``)."""
+    from unicache_train.eval import RecallTask, recall_records
+
+    if args.seed < EVAL_SEED_FLOOR:
+        raise SystemExit(f"--seed={args.seed} is out of range; allowed >= {EVAL_SEED_FLOOR}")
+    task = RecallTask(pairs=args.pairs, distractors=args.distractors)
+    recs = recall_records(task, args.num, args.seed)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w") as f:
+        for i, r in enumerate(recs):
+            row = {"id": f"{task.name}/{args.seed}/{i}", "task": task.name, **r, "seed": args.seed}
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(recs)} prompts of {task.name} (seed {args.seed}) to {args.out}")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+# ------------------------------------------------------------------------------ our harness
+def run_reference(args) -> None:
+    """Our own evaluation (project venv) on the same prompts, one prompt at a time, nothing
+    compressed (or plain ``--quantize int4|int8`` by our UniCache quantizer alone): the
+    predictions the no-press row must reproduce."""
+    from unicache_train.checkpoint.hf import import_hf
+    from unicache_train.data.tokenizer import load_tokenizer
+    from unicache_train.eval.recall import run_recall
+    from unicache_train.seam import IdentityCompressor
+
+    torch.set_num_threads(args.threads)
+    model, _ = import_hf(args.model)
+    model = model.float().eval()
+    tok = load_tokenizer(str(args.tokenizer or args.model))
+    if args.quantize:
+        from unicache_train.compress import UniCacheCompressor
+        from unicache_train.compress.config import UniCacheConfig
+        from unicache_train.eval.budget import text_unicache
+
+        d = text_unicache(0.0, 0, args.quantize).to_dict()
+        d["head_merge"]["enabled"] = False
+        compressor = UniCacheCompressor(UniCacheConfig.from_dict(d))
+    else:
+        compressor = IdentityCompressor()
+    recs = read_prompts(args.prompts)
+    t0 = time.time()
+    res = run_recall(model, tok, recs, compressor, batch_size=1)
+    rows = [
+        {"id": r["id"], "task": r["task"], "answer": r["answer"], "prediction": p,
+         "correct": p == r["answer"]}
+        for r, p in zip(recs, res.predictions)
+    ]  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(args.out, rows)
+    print(f"ours ({args.quantize or 'uncompressed'}) on {args.model}: {res.hits}/{res.n} "
+          f"kv_reduction {res.kv_reduction:.3f}x ({time.time() - t0:.0f}s) -> {args.out}")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ kvpress half
+def weights_sha256(model_dir: Path) -> str:
+    """sha256 over the directory's ``*.safetensors`` files (sorted by name)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors")
+    h = hashlib.sha256()
+    for p in files:
+        with p.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+class PressRunner:
+    """One model under kvpress: prefill (press active), store, decode, count bytes."""
+
+    def __init__(self, model_dir: Path, tokenizer_dir: Path, threads: int) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        self.tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        cfg = self.model.config
+        self.layers = cfg.num_hidden_layers
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    def make_press(self, s: Setting):
+        import kvpress
+
+        return getattr(kvpress, f"{s.press}Press")(compression_ratio=s.ratio(self.head_dim))
+
+    @torch.no_grad()
+    def answer(self, rec: dict, press, bits: int) -> tuple[str, int, int]:
+        """(prediction, context tokens, kept entries summed over layers) of one prompt."""
+        from transformers import DynamicCache
+
+        tok, model = self.tok, self.model
+        ctx = [tok.bos_token_id] + tok.encode(rec["context"], add_special_tokens=False)
+        q = tok.encode(rec["question"], add_special_tokens=False)
+        n_ans = len(tok.encode(" " + rec["answer"], add_special_tokens=False)) + 1
+        cache = DynamicCache()
+        if press is None:
+            model(input_ids=torch.tensor([ctx]), past_key_values=cache)
+        else:
+            with press(model):
+                model(input_ids=torch.tensor([ctx]), past_key_values=cache)
+        kept = 0
+        for layer in cache.layers:
+            kept += layer.keys.shape[-2]
+            if bits != 16:  # NOTE: after the press: storage of what it kept, as our pipeline
+                layer.keys = fake_quantize(layer.keys, bits)
+                layer.values = fake_quantize(layer.values, bits)
+        pos = len(ctx)
+        out = model(input_ids=torch.tensor([q]), past_key_values=cache,
+                    position_ids=torch.arange(pos, pos + len(q))[None])  # fmt: skip
+        ids = [int(out.logits[0, -1].argmax())]
+        for i in range(n_ans - 1):
+            out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache,
+                        position_ids=torch.tensor([[pos + len(q) + i]]))  # fmt: skip
+            ids.append(int(out.logits[0, -1].argmax()))
+        pred = tok.decode(ids, skip_special_tokens=True).lstrip(" ").split("\n")[0].strip()
+        return pred, len(ctx), kept
+
+    def bytes_of(self, ctx_tokens: int, kept: int, bits: int) -> tuple[int, int]:
+        """(uncompressed 16-bit bytes, stored bytes) of one prompt's context cache (K and V)."""
+        base = 2 * self.layers * ctx_tokens * self.kv_heads * vector_bytes(16, self.head_dim)
+        return base, 2 * kept * self.kv_heads * vector_bytes(bits, self.head_dim)
+
+
+def _version(pkg: str) -> str:
+    from importlib.metadata import version
+
+    return version(pkg)
+
+
+def run_presses(args) -> None:
+    recs = read_prompts(args.prompts)
+    tasks = sorted({r["task"] for r in recs})
+    if len(tasks) != 1:
+        raise SystemExit(f"{args.prompts}: one task per file, got {tasks}")
+    reference = None
+    if args.reference:
+        reference = {r["id"]: r for r in map(json.loads, args.reference.read_text().splitlines())}
+        if set(reference) != {r["id"] for r in recs}:
+            raise SystemExit(f"{args.reference}: not the same prompt ids as {args.prompts}")
+    sha = weights_sha256(args.model)
+    runner = PressRunner(args.model, args.tokenizer or args.model, args.threads)
+    grid = build_grid(args.presses, args.reductions, args.storage, not args.no_plain)
+    if args.only:
+        grid = [s for s in grid if s.name in args.only]
+    out_csv = args.out_dir / f"kvpress_{args.name}.csv"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    new = not out_csv.exists()
+    failed = []
+    with out_csv.open("a", newline="") as f:
+        if new:
+            f.write(f"# command: {' '.join(sys.argv)}\n")
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        if new:
+            w.writeheader()
+        for s in grid:
+            press = None if s.press is None else runner.make_press(s)
+            t0, base_b, stored_b, ctx_t, kept_t, rows = time.time(), 0, 0, 0, 0, []
+            for r in recs:
+                pred, n_ctx, kept = runner.answer(r, press, s.bits)
+                b, st = runner.bytes_of(n_ctx, kept, s.bits)
+                base_b, stored_b = base_b + b, stored_b + st
+                ctx_t, kept_t = ctx_t + n_ctx * runner.layers, kept_t + kept
+                rows.append({"id": r["id"], "task": r["task"], "answer": r["answer"],
+                             "prediction": pred, "correct": pred == r["answer"]})  # fmt: skip
+            secs = time.time() - t0
+            jsonl = args.out_dir / f"kvpress_{args.name}_{s.name}.jsonl"
+            write_jsonl(jsonl, rows)
+            hits, n = sum(r["correct"] for r in rows), len(rows)
+            ref_hits = ref_dis = ""
+            if reference is not None and s.name == "none_16bit":
+                ref_hits = sum(bool(reference[r["id"]]["correct"]) for r in rows)
+                ref_dis = sum(reference[r["id"]]["prediction"] != r["prediction"] for r in rows)
+                if abs(ref_hits - hits) > 1:
+                    failed.append(f"no-press {hits}/{n} vs our harness {ref_hits}/{n}")
+            acc = hits / n
+            w.writerow({
+                "model": args.name, "weights": str(Path(args.model).resolve()),
+                "weights_sha256": sha, "method": s.method, "press": s.press or "none",
+                "storage": s.storage, "target_reduction": s.target or "",
+                "compression_ratio": f"{s.ratio(runner.head_dim):.4f}",
+                "kv_reduction": f"{base_b / stored_b:.4f}", "kept_fraction": f"{kept_t / ctx_t:.4f}",
+                "task": tasks[0], "hits": hits, "n": n, "recall": f"{acc:.4f}",
+                "recall_se": f"{math.sqrt(acc * (1 - acc) / n):.4f}", "reference_hits": ref_hits,
+                "reference_disagree": ref_dis, "seconds": f"{secs:.1f}",
+                "s_per_prompt": f"{secs / n:.3f}", "predictions": jsonl.name,
+                "threads": args.threads, "transformers": _version("transformers"),
+                "kvpress": _version("kvpress"),
+            })  # fmt: skip
+            f.flush()
+            print(f"{args.name} {s.name:<28} {base_b / stored_b:6.2f}x  {hits:3d}/{n} "
+                  f"({secs:.0f}s, {secs / n:.2f} s/prompt)" + (
+                      f"  ours {ref_hits}/{n}, {ref_dis} predictions differ" if ref_hits != ""
+                      else ""), flush=True)  # fmt: skip
+    if failed:
+        raise SystemExit("sanity check failed: " + "; ".join(failed))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("prompts", help="write held-out recall prompts (project venv)")
+    a.add_argument("--out", type=Path, required=True)
+    a.add_argument("--num", type=int, default=200)
+    a.add_argument("--pairs", type=int, default=8)
+    a.add_argument("--distractors", type=int, default=0)
+    a.add_argument("--seed", type=int, default=1_000_003)
+    c = sub.add_parser("reference", help="our own harness on the prompts (project venv)")
+    c.add_argument("--prompts", type=Path, required=True)
+    c.add_argument("--model", type=Path, required=True)
+    c.add_argument("--tokenizer", type=Path, default=None)
+    c.add_argument("--quantize", choices=("int4", "int8"), default=None)
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--threads", type=int, default=1)
+    b = sub.add_parser("run", help="the grid of kvpress rows (kvpress venv)")
+    b.add_argument("--prompts", type=Path, required=True)
+    b.add_argument("--model", type=Path, required=True)
+    b.add_argument("--name", required=True, help="model label in file names and rows, e.g. base")
+    b.add_argument("--tokenizer", type=Path, default=None, help="default: --model")
+    b.add_argument("--presses", nargs="+", default=["StreamingLLM", "SnapKV"], choices=PRESSES)
+    b.add_argument("--reductions", nargs="+", type=float, default=[4.0, 8.0])
+    b.add_argument("--storage", nargs="+", type=int, default=[16, 8, 4], choices=(16, 8, 4))
+    b.add_argument("--no-plain", action="store_true", help="skip plain int4/int8 rows")
+    b.add_argument("--only", nargs="*", default=None, help="run only these setting names")
+    b.add_argument("--reference", type=Path, default=None, help="our predictions (reference)")
+    b.add_argument("--out-dir", type=Path, required=True)
+    b.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    if args.cmd == "prompts":
+        write_prompts(args)
+    elif args.cmd == "reference":
+        run_reference(args)
+    else:
+        if any(not r > 1 for r in args.reductions):
+            p.error(f"--reductions={args.reductions} out of range; allowed (1, inf)")
+        run_presses(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The kvpress anchor harness (experiments/kvpress/kvpress_baseline.py) restates two things our
+package owns, because it runs in kvpress's own venv without it: the fake quantization of a
+kept entry and the byte accounting. Both are checked here against the package's own functions;
+the press ratios that reach a target reduction are checked by hand. (kvpress itself is not
+needed: only the harness's pure functions are imported.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from unicache_train.compress.quantize import quantize_symmetric
+from unicache_train.seam import QuantizedKV, pack_int4, stored_kv_bytes, uncompressed_kv_bytes
+
+HARNESS = Path(__file__).resolve().parents[1] / "experiments" / "kvpress" / "kvpress_baseline.py"
+
+
+@pytest.fixture(scope="module")
+def kb():
+    spec = importlib.util.spec_from_file_location("kvpress_baseline_test", HARNESS)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fake_quantize_equals_our_token_head_quantizer(kb, bits) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 17, 64, generator=g) * torch.logspace(-3, 2, 17)[None, None, :, None]
+    x[0, 1, 4] = 0.0  # an all-zero vector: q = 0, no division by zero
+    ours, _, _ = quantize_symmetric(x, torch.ones(2, 17, dtype=torch.bool), bits, "token_head")
+    got = kb.fake_quantize(x, bits)
+    assert torch.equal(got, ours)
+    assert not torch.equal(got, x)  # it does quantize
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_stored_bytes_equal_our_accounting(kb, bits) -> None:
+    """Per kept (token, KV head): K and V at ``bits`` plus one fp16 scale each, as
+    :func:`unicache_train.seam.stored_kv_bytes` counts a token_head-quantized segment."""
+    B, H, M, D = 1, 3, 11, 64
+    valid = torch.ones(B, M, dtype=torch.bool)
+    heads = torch.full((B,), H)
+    quant = None
+    if bits != 16:
+        q = torch.zeros(B, H, M, D, dtype=torch.int8)
+        data = pack_int4(q) if bits == 4 else q
+        scale = torch.ones(B, H, M, dtype=torch.float16)
+        quant = QuantizedKV(bits, "token_head", data, data, scale, scale, D)
+    ours = float(stored_kv_bytes(valid, heads, D, D, quant=quant).sum())
+    assert 2 * M * H * kb.vector_bytes(bits, D) == ours
+    assert 2 * M * H * kb.vector_bytes(16, D) == uncompressed_kv_bytes(M, H, D, D)
+
+
+def test_press_ratios_reach_the_target_at_each_storage(kb) -> None:
+    # 256 bytes per (token, head) uncompressed; 68 at int4, 132 at int8 (scales included)
+    assert kb.press_ratio(4, 16, 64) == pytest.approx(0.75)
+    assert kb.press_ratio(4, 4, 64) == pytest.approx(1 - 256 / (4 * 68))  # 0.059
+    assert kb.press_ratio(8, 4, 64) == pytest.approx(1 - 256 / (8 * 68))  # 0.529
+    assert kb.press_ratio(8, 8, 64) == pytest.approx(1 - 256 / (8 * 132))  # 0.758
+    with pytest.raises(ValueError, match="out of reach"):
+        kb.press_ratio(3, 4, 64)  # int4 alone already gives 3.76x
+
+
+def test_grid_names_are_unique_and_start_with_the_no_press_row(kb) -> None:
+    grid = kb.build_grid(["StreamingLLM", "SnapKV"], [4.0, 8.0], [16, 8, 4], plain=True)
+    names = [s.name for s in grid]
+    assert names[0] == "none_16bit" and grid[0].method == "none"
+    assert len(set(names)) == len(names) == 1 + 2 + 2 * 3 * 2
+    assert {"none_int4", "none_int8", "SnapKV_int4_8x", "StreamingLLM_16bit_4x"} <= set(names)
+    assert next(s for s in grid if s.name == "SnapKV_int4_8x").method == "kvpress:SnapKV+int4"
+
+
+def test_prompts_refuse_training_seeds_and_carry_unique_ids(kb, tmp_path) -> None:
+    args = type("A", (), {"out": tmp_path / "p.jsonl", "num": 5, "pairs": 8, "distractors": 0})
+    with pytest.raises(SystemExit):
+        kb.write_prompts(type("B", (args,), {"seed": 7}))
+    kb.write_prompts(type("C", (args,), {"seed": 1_000_003}))
+    recs = kb.read_prompts(tmp_path / "p.jsonl")
+    assert len({r["id"] for r in recs}) == 5
+    assert all(r["task"] == "recall8" and r["answer"].isdigit() for r in recs)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**recs[0], "id": "x"}) + "\n" + json.dumps({**recs[1], "id": "x"}))
+    with pytest.raises(ValueError, match="not unique"):
+        kb.read_prompts(bad)
