@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from unicache_train.ops.sinkhorn import _compute_dtype, _num_steps, _validate
+from unicache_train.ops.sinkhorn import compute_dtype, num_steps, validate_sinkhorn_args
 
 # Past this tile a matrix no longer fits a program's registers (the backward holds the iterate,
 # the cotangent, the softmax and 2*iters denominators per element row/column).
@@ -281,7 +281,7 @@ def sinkhorn_forward(logits: torch.Tensor, iters: int, eps: float, variant: str)
     _check_device(logits)
     n = logits.shape[-1]
     x = logits.reshape(-1, n, n).contiguous()
-    y = torch.empty(x.shape, dtype=_compute_dtype(logits.dtype), device=x.device)
+    y = torch.empty(x.shape, dtype=compute_dtype(logits.dtype), device=x.device)
     m = x.shape[0]
     if m:
         np2, block, dt = _launch_config(n, logits.dtype, _TILE_FWD)
@@ -292,7 +292,7 @@ def sinkhorn_forward(logits: torch.Tensor, iters: int, eps: float, variant: str)
             eps,
             N=n,
             NP=np2,
-            STEPS=_num_steps(iters, variant),
+            STEPS=num_steps(iters, variant),
             PAPER=variant == "paper",
             BLOCK=block,
             DT=dt,
@@ -321,7 +321,7 @@ def sinkhorn_backward(
             eps,
             N=n,
             NP=np2,
-            STEPS=_num_steps(iters, variant),
+            STEPS=num_steps(iters, variant),
             PAPER=variant == "paper",
             BLOCK=block,
             DT=dt,
@@ -361,5 +361,5 @@ def sinkhorn_triton(
     Returns:
         [..., n, n] fp32 (fp64 for fp64 input).
     """
-    _validate(logits, iters, eps, variant)
+    validate_sinkhorn_args(logits, iters, eps, variant)
     return SinkhornTritonFunction.apply(logits, iters, float(eps), variant)

@@ -61,9 +61,9 @@ def export_checkpoint(
     out = Path(out)
     if format == "deepseek_v3":
         from unicache_train.checkpoint.deepseek_v3 import export_deepseek_v3
-        from unicache_train.checkpoint.hf import _dtype_name
+        from unicache_train.checkpoint.hf import dtype_name
 
-        export_deepseek_v3(model, out, dtype=_dtype_name(dtype, model), tokenizer_from=tokenizer)
+        export_deepseek_v3(model, out, dtype=dtype_name(dtype, model), tokenizer_from=tokenizer)
         if policy is not None:
             write_compression_config(policy, out)
     else:

@@ -780,7 +780,7 @@ def import_hf(
     return model.eval(), config
 
 
-def _dtype_name(dtype: torch.dtype | str | None, model: Decoder) -> torch.dtype:
+def dtype_name(dtype: torch.dtype | str | None, model: Decoder) -> torch.dtype:
     if dtype is None:
         return model.embed_tokens.weight.dtype
     if isinstance(dtype, str):
@@ -837,7 +837,7 @@ def export_hf(
         FileNotFoundError: ``tokenizer_from`` is a path that is not a directory.
     """
     source = serving.tokenizer_source(model, tokenizer_from)
-    target = _dtype_name(dtype, model)
+    target = dtype_name(dtype, model)
     sd = to_hf_state_dict(model, family)
     # NOTE: the MoE router (gate weight, correction bias) stays fp32 too, as transformers'
     # DeepseekV3 keeps it: the bias moves below bf16's resolution.

@@ -314,7 +314,7 @@ class Attention(nn.Module):
         )
         segment = compressor(inp)
         if pre_rope:
-            cos, sin = _gather_rope(rope, positions, segment.positions)
+            cos, sin = gather_rope(rope, positions, segment.positions)
             segment.keys = apply_rope(segment.keys, cos, sin)
         return segment
 
@@ -749,7 +749,7 @@ def attend_segment_flex(
                   scale=scale, enable_gqa=enable_gqa)  # fmt: skip
 
 
-def _gather_rope(
+def gather_rope(
     rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, seg_positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B, T, D] at ``positions`` [B, T] -> cos/sin [B, M, D] at ``seg_positions``.

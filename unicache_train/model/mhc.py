@@ -87,7 +87,7 @@ class HCCoeffs:
         return HCCoeffs(self.pre.detach(), self.post.detach(), self.res.detach())
 
 
-class _Fp32Params(nn.Module):
+class Fp32Params(nn.Module):
     """Keeps this module's parameters (and their grads) fp32 under ``.to(bf16)``/``.half()``.
 
     HF marks these modules ``_keep_in_fp32_modules_strict``; our equivalent is to intercept
@@ -165,7 +165,7 @@ def _logit(p: float) -> float:
     return math.log(p / (1.0 - p))
 
 
-class HyperConnection(_Fp32Params):
+class HyperConnection(Fp32Params):
     """One (m)HC connection around one sub-layer (``attn_hc`` / ``ffn_hc``).
 
     Presets (``hc_preset_of(config)``):
@@ -400,7 +400,7 @@ class HyperConnection(_Fp32Params):
         )
 
 
-class HyperHead(_Fp32Params):
+class HyperHead(Fp32Params):
     """Final stream collapse before the last norm; numerically HF's ``DeepseekV4HyperHead``.
 
     ``pre = sigmoid(raw * hc_scale + hc_base) + hc_eps`` with ``raw = RMSNorm(flatten(X)) @

@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unicache_train.model.attention import (
-    _gather_rope,
+    gather_rope,
     attend_segment_per_sample,
     segment_attention_mask,
     segment_attention_mode,
@@ -350,7 +350,7 @@ class MLAttention(nn.Module):
         )
         segment = compressor(inp)
         if pre_rope:
-            cos, sin = _gather_rope(rope, positions, segment.positions)
+            cos, sin = gather_rope(rope, positions, segment.positions)
             seg_pe = apply_rope(segment.keys[..., R:], cos, sin)
             segment.keys = torch.cat([segment.keys[..., :R], seg_pe], dim=-1)
         return segment

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unicache_train.model.config import ModelConfig
-from unicache_train.model.mhc import _Fp32Params
+from unicache_train.model.mhc import Fp32Params
 from unicache_train.model.mlp import SwiGLU
 
 __all__ = [
@@ -74,7 +74,7 @@ class RouterOutput:
     scores: torch.Tensor
 
 
-class Router(_Fp32Params):
+class Router(Fp32Params):
     """DeepSeek-V3 top-k router (HF name: ``mlp.gate``).
 
     ``weight [E, C]`` and the buffer ``e_score_correction_bias [E]`` stay fp32 when the model is

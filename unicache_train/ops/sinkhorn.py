@@ -123,7 +123,7 @@ _logged_fallback = False
 # --------------------------------------------------------------------------------------------
 
 
-def _validate(
+def validate_sinkhorn_args(
     logits: torch.Tensor, iters: int, eps: float, variant: str, backend: str | None = None
 ) -> None:
     if not isinstance(logits, torch.Tensor):
@@ -160,11 +160,11 @@ def _check_finite(logits: torch.Tensor) -> None:
         )
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _num_steps(iters: int, variant: str) -> int:
+def num_steps(iters: int, variant: str) -> int:
     """Number of normalizations; step k normalizes columns when k is even, rows when odd."""
     return 2 * iters - 1 if variant == "deepseek_v4" else 2 * iters
 
@@ -193,8 +193,8 @@ def sinkhorn_reference(
     Returns:
         [..., n, n] in fp32 (fp64 for fp64 input).
     """
-    _validate(logits, iters, eps, variant)
-    x = logits.to(_compute_dtype(logits.dtype))
+    validate_sinkhorn_args(logits, iters, eps, variant)
+    x = logits.to(compute_dtype(logits.dtype))
     if variant == "deepseek_v4":
         a = torch.softmax(x, dim=-1) + eps
         a = a / (a.sum(dim=-2, keepdim=True) + eps)
@@ -463,11 +463,11 @@ class _SinkhornFunction(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, iters: int, eps: float, variant: str) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(logits)
         ctx.cfg = (iters, eps, variant)
-        dtype = _compute_dtype(logits.dtype)
+        dtype = compute_dtype(logits.dtype)
         if logits.numel() == 0:
             return torch.empty(logits.shape, dtype=dtype, device=logits.device)
         xt = _to_t(logits, dtype)
-        n_steps = _num_steps(iters, variant)
+        n_steps = num_steps(iters, variant)
         if variant == "paper":
             lt, _ = _log_forward_t(xt, n_steps, keep=False)
             a = _round_t(lt.exp_())
@@ -482,10 +482,10 @@ class _SinkhornFunction(torch.autograd.Function):
         iters, eps, variant = ctx.cfg
         if logits.numel() == 0:
             return torch.zeros_like(logits), None, None, None
-        dtype = _compute_dtype(logits.dtype)
+        dtype = compute_dtype(logits.dtype)
         xt = _to_t(logits, dtype)
         gt = _to_t(grad_out, dtype)
-        n_steps = _num_steps(iters, variant)
+        n_steps = num_steps(iters, variant)
         if variant == "paper":
             gx = _log_backward_t(xt, gt, n_steps)
         else:
@@ -579,7 +579,7 @@ def sinkhorn(
             ``check_finite``.
         RuntimeError: ``backend="triton"`` that cannot run here.
     """
-    _validate(logits, iters, eps, variant, backend)
+    validate_sinkhorn_args(logits, iters, eps, variant, backend)
     if check_finite:
         _check_finite(logits)
     eps = float(eps)

@@ -195,11 +195,11 @@ def fit(config: RunConfig, callbacks: list[L.Callback] | None = None) -> L.Train
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     finally:
-        _finish_wandb()
+        finish_wandb()
     return trainer
 
 
-def _finish_wandb() -> None:
+def finish_wandb() -> None:
     """Close the W&B run and wait until its files are complete on disk.
 
     So the next fit in this process starts its own run, and whoever reads the run directory

@@ -206,7 +206,7 @@ def check_vocab(config: VLMRunConfig, tokenizer) -> None:
 def fit_vlm(config: VLMRunConfig, callbacks: list[L.Callback] | None = None) -> L.Trainer:
     """Train (or resume) a vision-language model as the config says; return the Trainer."""
     from unicache_train.train.run import (
-        _finish_wandb,
+        finish_wandb,
         apply_launcher_env,
         build_trainer,
         resolve_resume,
@@ -227,7 +227,7 @@ def fit_vlm(config: VLMRunConfig, callbacks: list[L.Callback] | None = None) -> 
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     finally:
-        _finish_wandb()
+        finish_wandb()
     return trainer
 
 
