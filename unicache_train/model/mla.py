@@ -65,8 +65,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from unicache_train.model.attention import (
-    gather_rope,
     attend_segment_per_sample,
+    gather_rope,
     segment_attention_mask,
     segment_attention_mode,
 )

@@ -206,9 +206,9 @@ def check_vocab(config: VLMRunConfig, tokenizer) -> None:
 def fit_vlm(config: VLMRunConfig, callbacks: list[L.Callback] | None = None) -> L.Trainer:
     """Train (or resume) a vision-language model as the config says; return the Trainer."""
     from unicache_train.train.run import (
-        finish_wandb,
         apply_launcher_env,
         build_trainer,
+        finish_wandb,
         resolve_resume,
     )
     from unicache_train.train.strategies import parallelize_model
