@@ -22,6 +22,7 @@ from unicache_train.compress import (
     presets,
 )
 from unicache_train.compress.config import QuantizeConfig
+from unicache_train.compress.retention import RetentionPolicy
 from unicache_train.compress.state import CompressionState
 from unicache_train.compress.testing import (
     check_budget,
@@ -77,7 +78,36 @@ METHODS = {
     "dense_doc_qa": presets.dense_doc_qa,
     "realtime": presets.realtime,
     "curriculum_half": lambda: UniCacheConfig(rate_scale=0.5),
+    "sinks_recent_int4": lambda: _bits(presets.sinks_recent(), 4),
+    "snapkv_int8": presets.snapkv,
+    "snapkv_budget_protect": lambda: UniCacheConfig.from_dict(
+        {"selection": {"method": "snapkv"}, "importance": {"enabled": False}}
+    ),
+    "sinks_recent_full_pipeline": lambda: UniCacheConfig.from_dict(
+        {"selection": {"method": "sinks_recent"}}
+    ),
+    # A learned retention policy (zero-init, so it ranks as its prior): the hard selection of
+    # inference, and the straight-through training gate (same entries, counts 1 + (a - sg(a))).
+    "retention_eval_int4": lambda: _bits(presets.retention(), 4),
+    "retention_st_topk_train": lambda: UniCacheConfig.from_dict(
+        {**presets.retention().to_dict(), "selection": {"method": "retention",
+                                                       "relaxation": "st_topk"}}
+    ),
 }
+
+
+def _bits(cfg: UniCacheConfig, bits: int) -> UniCacheConfig:
+    cfg.quantize = QuantizeConfig(bits=bits)
+    return cfg
+
+
+def _compressor(method: str, cfg: UniCacheConfig, H: int = 3, D: int = 16, layers: int = 4):
+    """The method's compressor; a retention method gets its own zero-init policy (trained
+    methods in train mode, the others in eval mode: the hard selection)."""
+    if cfg.selection.method != "retention":
+        return UniCacheCompressor(cfg)
+    policy = RetentionPolicy(layers, H, D).train(method.endswith("_train"))
+    return UniCacheCompressor(cfg, retention=policy)
 
 
 class Recorder:
@@ -126,7 +156,7 @@ def _check_state(state: CompressionState | None, cfg: UniCacheConfig) -> None:
 @pytest.mark.parametrize("method", list(METHODS))
 def test_matrix_direct(method: str, wrapper: str) -> None:
     cfg = METHODS[method]()
-    rec = Recorder(UniCacheCompressor(cfg))
+    rec = Recorder(_compressor(method, cfg))
     comp = _wrap(wrapper, rec)
     for layer in (0, 1, 3):
         inp = make_input(layer_idx=layer, H=3, twin_heads=True, requires_grad=True, seed=layer)
@@ -146,8 +176,10 @@ def test_matrix_direct(method: str, wrapper: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "method", ["full_int8", "full_fp", "baseline", "protect", "fallback", "long_video"]
-)
+    "method",
+    ["full_int8", "full_fp", "baseline", "protect", "fallback", "long_video", "sinks_recent_int4",
+     "snapkv_int8", "retention_eval_int4", "retention_st_topk_train"],
+)  # fmt: skip
 def test_matrix_seam(method: str) -> None:
     """The same invariants on the inputs the decoder's attention seam really produces."""
     torch.manual_seed(0)
@@ -157,7 +189,8 @@ def test_matrix_seam(method: str) -> None:
     mod = torch.zeros(B, T, dtype=torch.long)
     mod[:, 4:28], mod[:, 28:36] = 1, 2
     split = torch.tensor([17, 33, 47])
-    rec = Recorder(UniCacheCompressor(METHODS[method]()))
+    rec = Recorder(_compressor(method, METHODS[method](), H=model.config.num_key_value_heads,
+                               D=model.config.head_size, layers=3))  # fmt: skip
     out = model(ids, modality_ids=mod, split=split, compressor=rec)
     assert len(rec.calls) == 3 and len(out.compression_stats) == 3
     for inp, seg, state in rec.calls:

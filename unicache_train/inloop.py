@@ -52,11 +52,19 @@ __all__ = [
 ]
 
 
-def build_compressor(config: CompressionTrainConfig) -> KVCompressor:
+def build_compressor(
+    config: CompressionTrainConfig, model: torch.nn.Module | None = None
+) -> KVCompressor:
     """The compressor a run trains with: UniCache, xKV, UniCache then xKV, or the identity (on
     private copies of the configs, so that the curriculum's ``set_rate_scale`` never edits the
     run config). For ``unicache+xkv`` UniCache's head merging and quantization are switched off
-    (xKV factorises the kept entries across heads and layers and stores 16-bit factors)."""
+    (xKV factorises the kept entries across heads and layers and stores 16-bit factors).
+
+    A learned selection (``unicache.selection.method == "retention"``) has parameters: its
+    policy is attached to ``model`` as the submodule ``kv_retention`` (created if the model has
+    none; :func:`unicache_train.compress.retention.attach_retention`), so the optimizer,
+    checkpoints and parameter counts see it, and the compressor holds a reference to it. Call
+    this before the optimizer is built."""
     if config.method == "none":
         return IdentityCompressor()
     from unicache_train.compress import UniCacheCompressor, UniCacheConfig
@@ -64,6 +72,21 @@ def build_compressor(config: CompressionTrainConfig) -> KVCompressor:
 
     cfg = config.unicache
     assert isinstance(cfg, UniCacheConfig)  # resolved by CompressionTrainConfig.__post_init__
+    if cfg.selection.method == "retention":
+        if config.method != "unicache":
+            raise ValueError(
+                f"CompressionTrainConfig.method={config.method!r} does not support "
+                "unicache.selection.method='retention'; allowed ['unicache']"
+            )
+        if model is None:
+            raise ValueError(
+                "unicache.selection.method='retention' learns parameters: pass the model to "
+                "build_compressor(config, model) so its policy is attached there"
+            )
+        from unicache_train.compress.retention import attach_retention
+
+        policy = attach_retention(model)
+        return UniCacheCompressor(UniCacheConfig.from_dict(cfg.to_dict()), retention=policy)
     if config.method == "unicache":
         return UniCacheCompressor(UniCacheConfig.from_dict(cfg.to_dict()))
     from unicache_train.compress.xkv import XKVCompressor
@@ -174,6 +197,7 @@ class InloopLoss:
     split: torch.Tensor  # [B] the context/continuation splits used
     targets: torch.Tensor  # [B, T] bool: labelled positions that count in the LM term
     output: Any  # the model's output (logits, compression_stats, ...)
+    aux: torch.Tensor | None = None  # [] the compressor's own term (mean over layers), or None
 
 
 def inloop_loss(
@@ -199,7 +223,9 @@ def inloop_loss(
     with every layer's context K/V compressed, the LM loss on the continuation targets
     (``loss_on="continuation"``) or on all of them (``"all"``), plus ``kl_weight`` times the KL of
     the compressed continuation from the uncompressed one (the reference logits come from the
-    same forward).
+    same forward), plus the compressor's own differentiable term where it reports one: the
+    ``aux_loss`` stat of its segments, already weighted, averaged over the layers that report it
+    (a learned retention policy's budget term, :mod:`unicache_train.compress.retention`).
 
     Args:
         forward: calls the model on a batch with keyword arguments (e.g.
@@ -230,7 +256,11 @@ def inloop_loss(
         kl = compression_kl(out.reference_logits, out.logits, cont & (labels != IGNORE_INDEX),
                             kl_temperature)  # fmt: skip
         loss = lm + kl_weight * kl
-    return InloopLoss(loss, lm, kl, split, mask & (labels != IGNORE_INDEX), out)
+    terms = [st["aux_loss"] for st in out.compression_stats if "aux_loss" in st]
+    aux = torch.stack(terms).mean() if terms else None
+    if aux is not None:
+        loss = loss + aux
+    return InloopLoss(loss, lm, kl, split, mask & (labels != IGNORE_INDEX), out, aux)
 
 
 def curriculum_scale(step: int, curriculum_steps: int, final: float = 1.0) -> float:

@@ -6,6 +6,10 @@ this fixed order::
     fallback (on the uncompressed input) -> head merge -> importance -> layer rate
         -> modality budgets -> alignment protection -> merge/evict/keep -> quantize
 
+The importance step is one of several scorers (``UniCacheConfig.selection``): attention sinks +
+a recent window (StreamingLLM), SnapKV's pooled window attention, or a learned retention policy
+(DMS-like, followed by its training gate after merge/evict); docs/compression_methods.md.
+
 Each step is a small dataclass (its fields are its hyperparameters) acting on a shared
 :class:`~unicache_train.compress.state.CompressionState`; statistics derived from K/V are
 recomputed after any structural change. :class:`ComposedCompressor` takes any list of steps in
@@ -50,7 +54,10 @@ from unicache_train.compress.merge_evict import MergeEvict
 from unicache_train.compress.modality import check_modalities
 from unicache_train.compress.protect import AlignmentProtect
 from unicache_train.compress.quantize import Quantize
+from unicache_train.compress.retention import RetentionGate, RetentionPolicy, RetentionScore
 from unicache_train.compress.schedule import LayerSchedule
+from unicache_train.compress.sinks_recent import SinksRecent
+from unicache_train.compress.snapkv import SnapKV
 from unicache_train.compress.state import CompressionState, CompressionStep
 from unicache_train.seam import (
     MODALITY_NAMES,
@@ -198,6 +205,8 @@ class ComposedCompressor:
         """
         if self._shortfall_warned or "budget_shortfall" not in stats or self.rate_scale < 1.0:
             return
+        if "relaxed" in stats:  # a training relaxation keeps every token softly, by design
+            return
         key = float(self.target_rate)
         if self._shortfall_checked.get(layer_idx) == key:
             return
@@ -239,19 +248,43 @@ class UniCacheCompressor(ComposedCompressor):
     full :class:`CompressionState` for analysis and tests.
     """
 
-    def __init__(self, config: UniCacheConfig | None = None) -> None:
+    def __init__(
+        self, config: UniCacheConfig | None = None, *, retention: RetentionPolicy | None = None
+    ) -> None:
         cfg = config if config is not None else UniCacheConfig()
         self.config = cfg
+        sel = cfg.selection
+        if (sel.method == "retention") != (retention is not None):
+            raise ValueError(
+                f"UniCacheCompressor: selection.method={sel.method!r} "
+                + ("needs a RetentionPolicy (unicache_train.inloop.build_compressor(config, "
+                   "model) attaches one to the model)" if retention is None else
+                   "takes no RetentionPolicy; set selection.method='retention' to use it")
+            )  # fmt: skip
+        # The scorer (stage 2): UniCache's importance or one of the selections of
+        # docs/compression_methods.md; every later step is shared.
+        scorer: CompressionStep
+        if sel.method == "sinks_recent":
+            scorer = SinksRecent(**vars(sel))
+        elif sel.method == "snapkv":
+            scorer = SnapKV(**vars(sel))
+        elif sel.method == "retention":
+            scorer = RetentionScore(**vars(sel), policy=retention)
+        else:
+            scorer = Importance(**vars(cfg.importance))
         steps: list[CompressionStep] = [
             DynamicFallback(**vars(cfg.fallback)),
             HeadMerge(**vars(cfg.head_merge)),
-            Importance(**vars(cfg.importance)),
+            scorer,
             LayerSchedule(**vars(cfg.schedule)),
             ModalityBudget(**vars(cfg.budget)),
             AlignmentProtect(**vars(cfg.protect)),
             MergeEvict(**vars(cfg.merge_evict)),
-            Quantize(**vars(cfg.quantize)),
         ]
+        if retention is not None:  # the relaxation and budget term in training
+            steps.append(RetentionGate(**vars(sel), policy=retention))
+        steps.append(Quantize(**vars(cfg.quantize)))
+        self.retention = retention
         self._quantize = steps[-1]  # also quantizes sliding windows (compress_window)
         imp = cfg.importance
         super().__init__(
@@ -360,7 +393,8 @@ def segment_stats(state: CompressionState, cache_dtype_bytes: int = 2) -> dict[s
     ).sum()
     stats["kv_bytes"] = kv
     stats["kv_reduction"] = base / kv.clamp_min(1.0)
-    stats["merged_fraction"] = (counts - valid.double()).sum() / n_ctx
+    # clamp: a training relaxation's soft counts (< 1) merge nothing
+    stats["merged_fraction"] = (counts - valid.double()).clamp_min(0.0).sum() / n_ctx
     stats["evicted_fraction"] = (n_ctx - counts.sum()).clamp_min(0.0) / n_ctx
     heads = stored_heads(seg.head_groups).double() if seg.head_groups is not None else None
     stats["heads_merged"] = (

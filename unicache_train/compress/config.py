@@ -41,10 +41,13 @@ __all__ = [
     "MergeEvictConfig",
     "QuantizeConfig",
     "FallbackConfig",
+    "SelectionConfig",
     "UniCacheConfig",
     "XKVConfig",
     "MAX_RATE",
     "MERGE_RESCALE_RULES",
+    "SELECTION_METHODS",
+    "RETENTION_RELAXATIONS",
 ]
 
 #: No layer or modality ever removes more than this fraction (a cache must keep something).
@@ -356,6 +359,72 @@ class FallbackConfig(ConfigBase):
         check_range(self, "high", self.low, 100.0, lo_open=True)
 
 
+#: The token scorers a UniCache pipeline can rank its context tokens with (SelectionConfig.method).
+SELECTION_METHODS = ("unicache", "sinks_recent", "snapkv", "retention")
+
+#: The continuous relaxations of a learned retention policy in training (SelectionConfig).
+RETENTION_RELAXATIONS = ("gumbel_sigmoid", "st_topk")
+
+
+@dataclass
+class SelectionConfig(ConfigBase):
+    """Which scorer ranks the context tokens the merge/evict step removes
+    (docs/compression_methods.md#fixed-and-learned-selections).
+
+    The scorer replaces the importance step only; layer rates, modality budgets, alignment
+    protection, merge/evict and quantization run as configured, so every selection meets the
+    same budgets and is counted by the same byte accounting.
+
+    Attributes:
+        method: ``"unicache"`` (the importance score ``s``, :mod:`~unicache_train.compress.
+            importance`), ``"sinks_recent"`` (attention sinks + a recent window, StreamingLLM,
+            arXiv 2309.17453, :mod:`~unicache_train.compress.sinks_recent`), ``"snapkv"``
+            (pooled observation-window attention, SnapKV, arXiv 2404.14469,
+            :mod:`~unicache_train.compress.snapkv`) or ``"retention"`` (a learned retention
+            logit per token and KV head, DMS-like, arXiv 2506.05345,
+            :mod:`~unicache_train.compress.retention`).
+        sinks: context tokens at the start of each sample always kept (StreamingLLM: 4).
+        window: SnapKV's observation window, the last W context queries (SnapKV: 32); those
+            W tokens are always kept.
+        kernel: SnapKV's pooling kernel (odd; 1 = no pooling; SnapKV: 7).
+        prior: the fixed scorer a retention policy starts from (its ranking at init is this
+            scorer's exactly): ``"sinks_recent"`` or ``"snapkv"``.
+        prior_scale: the prior's weight in the retention logit (its score spans about [0, 2]).
+        relaxation: how a retention policy is trained: ``"gumbel_sigmoid"`` (every context
+            token stays, weighted by a Gumbel-sigmoid gate, DMS) or ``"st_topk"`` (the hard
+            selection of inference, with a straight-through gate on the kept tokens).
+        temperature: the gate's temperature (smaller: closer to the hard selection).
+        budget_weight: weight of the budget term ``(soft kept fraction - kept fraction of the
+            byte target)^2`` added to the training objective.
+    """
+
+    method: str = "unicache"
+    sinks: int = 4
+    window: int = 32
+    kernel: int = 7
+    prior: str = "sinks_recent"
+    prior_scale: float = 4.0
+    relaxation: str = "gumbel_sigmoid"
+    temperature: float = 0.5
+    budget_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_choice(self, "method", SELECTION_METHODS)
+        check_int(self, "sinks", 0, 1024)
+        check_int(self, "window", 1, 4096)
+        check_int(self, "kernel", 1, 63)
+        if self.kernel % 2 == 0:
+            raise ConfigError(
+                f"SelectionConfig.kernel={self.kernel!r} must be odd (a window centred on the "
+                "token); allowed 1, 3, 5, ..., 63"
+            )
+        check_choice(self, "prior", ("sinks_recent", "snapkv"))
+        check_range(self, "prior_scale", 0.0, 100.0, lo_open=True)
+        check_choice(self, "relaxation", RETENTION_RELAXATIONS)
+        check_range(self, "temperature", 0.0, 10.0, lo_open=True)
+        check_range(self, "budget_weight", 0.0, 1000.0)
+
+
 @dataclass
 class UniCacheConfig(ConfigBase):
     """The whole UniCache pipeline (docs/architecture.md#unicache-pipeline). Steps run in the fixed
@@ -385,6 +454,7 @@ class UniCacheConfig(ConfigBase):
     merge_evict: MergeEvictConfig = field(default_factory=MergeEvictConfig)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
 
     def __post_init__(self) -> None:
         check_range(self, "target_rate", 0.0, MAX_RATE)

@@ -21,6 +21,12 @@ arguments of the function or plain attribute edits afterwards.
 * :func:`text_style_pooled`: the same, but with one pooled budget instead of a uniform rate: all
   context tokens compete in one ranking of the (globally normalized) scores, as a text method's
   global top-k does, so a modality's share of the removal is decided by its scores.
+* :func:`sinks_recent`, :func:`snapkv`, :func:`retention`: the fixed selections StreamingLLM
+  (attention sinks + a recent window, arXiv 2309.17453) and SnapKV (pooled observation-window
+  attention, arXiv 2404.14469), and the learned retention policy (DMS-like, arXiv 2506.05345),
+  as the methods run them: one uniform rate for every layer and modality, pure eviction (no
+  merging, no head merging), no alignment protection; int8 storage like every preset (override
+  ``quantize.bits``). docs/compression_methods.md.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ __all__ = [
     "realtime",
     "text_style_baseline",
     "text_style_pooled",
+    "sinks_recent",
+    "snapkv",
+    "retention",
     "PRESETS",
     "preset",
 ]
@@ -96,6 +105,36 @@ def text_style_pooled() -> UniCacheConfig:
     return _revalidate(cfg)
 
 
+def _selection(method: str) -> UniCacheConfig:
+    """Only ``method``'s ranking decides: uniform rates, pure eviction, no protection."""
+    cfg = UniCacheConfig()
+    cfg.selection.method = method
+    cfg.head_merge.enabled = False
+    cfg.schedule.enabled = False
+    cfg.budget.enabled = False
+    cfg.protect.enabled = False
+    # Thresholds at 1: no token is redundant enough to merge or to enter the evict band, so
+    # the scorer's ranking alone orders the removal.
+    cfg.merge_evict.merge_threshold = 1.0
+    cfg.merge_evict.evict_threshold = 1.0
+    return _revalidate(cfg)
+
+
+def sinks_recent() -> UniCacheConfig:
+    """StreamingLLM: attention sinks + a recent window (arXiv 2309.17453)."""
+    return _selection("sinks_recent")
+
+
+def snapkv() -> UniCacheConfig:
+    """SnapKV: pooled observation-window attention (arXiv 2404.14469)."""
+    return _selection("snapkv")
+
+
+def retention() -> UniCacheConfig:
+    """A learned retention policy starting from sinks + recent (DMS-like, arXiv 2506.05345)."""
+    return _selection("retention")
+
+
 def _revalidate(cfg: UniCacheConfig) -> UniCacheConfig:
     # Attribute edits bypass __post_init__: rebuild so a preset can never carry a bad value.
     return UniCacheConfig.from_dict(cfg.to_dict())
@@ -108,6 +147,9 @@ PRESETS: dict[str, Callable[[], UniCacheConfig]] = {
     "realtime": realtime,
     "text_style_baseline": text_style_baseline,
     "text_style_pooled": text_style_pooled,
+    "sinks_recent": sinks_recent,
+    "snapkv": snapkv,
+    "retention": retention,
 }
 
 

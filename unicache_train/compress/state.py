@@ -44,6 +44,8 @@ class CompressionState:
         neighbours, frame_stride, similarity: neighbour definition for redundancy / merging.
         head_groups: [B, H] long group id per KV head, None before head merge.
         scores: [B, T] importance, None when not computed.
+        logits: [B, T] differentiable retention logits of a learned scorer
+            (:mod:`~unicache_train.compress.retention`), None for fixed scorers.
         layer_rate: [B] rate of this layer per sample.
         modality_rates: [B, 3] rate per modality.
         protected: [B, T] bool alignment tokens.
@@ -66,6 +68,7 @@ class CompressionState:
     similarity: str = "keys"
     head_groups: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
     layer_rate: torch.Tensor | None = None
     modality_rates: torch.Tensor | None = None
     protected: torch.Tensor | None = None
@@ -136,6 +139,7 @@ class CompressionState:
         self._window_stats = None
         self._neighbour_sims = None
         self.scores = None
+        self.logits = None
 
 
 @runtime_checkable

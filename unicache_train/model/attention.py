@@ -417,6 +417,10 @@ def count_bias(counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The logit bias of segment entries: ``log(count)`` (0 for a kept token), as token merging
     does (an entry standing for ``n`` agreeing tokens gets their summed attention weight).
 
+    A count below 1 is a token kept softly (a learned retention gate in training,
+    ``unicache_train.compress.retention``): its weight ``alpha`` in (0, 1) lowers its logit by
+    ``-log(alpha)``, differentiably.
+
     Args:
         counts: [..., M] float, original tokens per entry (:attr:`KVSegment.counts`).
         dtype: dtype of the attention logits.
@@ -424,7 +428,7 @@ def count_bias(counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Returns:
         [..., M] in ``dtype``.
     """
-    return torch.log(counts.clamp_min(1.0)).to(dtype)
+    return torch.log(counts.clamp_min(1e-20)).to(dtype)
 
 
 #: How the seam's attention runs (see :func:`segment_attention_mode`): ``"auto"``,

@@ -27,6 +27,9 @@ from unicache_train.model.moe import expert_loads, load_stats, update_router_bia
 from unicache_train.monitor.metrics import layer_mean_stats
 from unicache_train.train.config import RunConfig
 
+#: A learned selection's stats also logged per layer (``compress/retention_kept/layer_03``).
+RETENTION_LAYER_KEYS = ("retention_kept", "retention_budget_loss")
+
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total``."""
@@ -71,8 +74,13 @@ class LMModule(L.LightningModule):
         self.model = self.build_model()
         if config.train.init_weights is not None:
             self._load_init_weights(config.train.init_weights)
-        # Not a module: the compressor has no parameters and must not enter the state dict.
-        self.compressor = build_compressor(config.compress) if config.compress.enabled else None
+        # Not a module: the compressor must not enter the state dict twice. A learned selection's
+        # parameters (unicache.selection.method 'retention') are attached to the model by
+        # build_compressor as `model.kv_retention`, after the init weights (which lack them)
+        # and before the optimizer and any checkpoint load (which hold them).
+        self.compressor = (
+            build_compressor(config.compress, self.model) if config.compress.enabled else None
+        )
 
     def _load_init_weights(self, path: str) -> None:
         """Start from ``TrainConfig.init_weights`` (e.g. an imported HF checkpoint), strictly."""
@@ -133,6 +141,8 @@ class LMModule(L.LightningModule):
         logs = {"train/lm_loss": res.lm.detach(), "compress/rate_scale": torch.tensor(scale)}
         if res.kl is not None:
             logs["train/kl"] = res.kl.detach()
+        if res.aux is not None:  # a learned selection's budget term (compress/aux_loss per layer)
+            logs["train/aux_loss"] = res.aux.detach()
         out = res.output
         logs.update(layer_mean_stats(out.compression_stats))
         loss = res.loss
@@ -156,12 +166,12 @@ class LMModule(L.LightningModule):
             return
         from unicache_train.monitor import CompressionQualityMonitor
         from unicache_train.monitor.callbacks import find_callback
-        from unicache_train.monitor.metrics import compression_metrics
+        from unicache_train.monitor.metrics import PER_LAYER_KEYS, compression_metrics
 
         sink = find_callback(self.trainer, CompressionQualityMonitor)
         # NOTE: only on the steps the sink flushes: turning the stats into floats syncs the device.
         if sink is not None and self.global_step % sink.every_n_steps == 0:
-            curves = compression_metrics(per_layer)
+            curves = compression_metrics(per_layer, (*PER_LAYER_KEYS, *RETENTION_LAYER_KEYS))
             sink.record({k: v for k, v in curves.items() if "/layer_" in k})
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
