@@ -100,8 +100,9 @@ def parse_setting(spec: str) -> tuple[str, float]:
 
 def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
     from unicache_train.compress import UniCacheCompressor
-    from unicache_train.compress.config import UniCacheConfig, XKVConfig
+    from unicache_train.compress.config import XKVConfig
     from unicache_train.compress.xkv import XKVCompressor
+    from unicache_train.compress.xkv.compressor import token_config_for_xkv
     from unicache_train.eval.budget import measured_reduction, rate_for_reduction, text_unicache
     from unicache_train.seam import IdentityCompressor
 
@@ -129,10 +130,7 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
             out.append(Setting("xkv", red, math.nan, lambda c=xcfg: XKVCompressor(c), got))
         else:  # unicache+xkv
             rate = float(study["xkv_token_rate"])
-            d = text_unicache(rate, 0, "int8").to_dict()
-            d["head_merge"]["enabled"] = False
-            d["quantize"]["bits"] = None
-            tcfg = UniCacheConfig.from_dict(d)
+            tcfg = token_config_for_xkv(text_unicache(rate, 0, "int8"))
 
             def make_joint(r_x, tcfg=tcfg):
                 xcfg = XKVConfig(rank_mode="reduction", reduction=r_x, group_size=2)

@@ -90,15 +90,14 @@ def build_compressor(
     if config.method == "unicache":
         return UniCacheCompressor(UniCacheConfig.from_dict(cfg.to_dict()))
     from unicache_train.compress.xkv import XKVCompressor
+    from unicache_train.compress.xkv.compressor import token_config_for_xkv
 
     assert isinstance(config.xkv, XKVConfig)
     xkv = XKVConfig.from_dict(config.xkv.to_dict())
     if config.method == "xkv":
         return XKVCompressor(xkv)
-    d = cfg.to_dict()
-    d["head_merge"]["enabled"] = False
-    d["quantize"]["bits"] = None
-    return XKVCompressor(xkv, token_compressor=UniCacheCompressor(UniCacheConfig.from_dict(d)))
+    token = UniCacheCompressor(token_config_for_xkv(UniCacheConfig.from_dict(cfg.to_dict())))
+    return XKVCompressor(xkv, token_compressor=token)
 
 
 def step_generator(seed: int, step: int, rank: int = 0, micro: int = 0) -> torch.Generator:

@@ -233,8 +233,9 @@ def _settings(
     """The compressed rows: UniCache at each rate; per xKV reduction: xKV, optionally UniCache
     tokens + xKV, optionally UniCache at the same bytes (calibrated on ``first_batch``)."""
     from unicache_train.compress import UniCacheCompressor
-    from unicache_train.compress.config import UniCacheConfig, XKVConfig
+    from unicache_train.compress.config import XKVConfig
     from unicache_train.compress.xkv import XKVCompressor
+    from unicache_train.compress.xkv.compressor import token_config_for_xkv
 
     out = []
     for r in opts.rates:
@@ -257,9 +258,8 @@ def _settings(
         xkv = XKVCompressor(xcfg)
         out.append(Setting(f"xkv {red:g}x g{g}", "xkv", math.nan, None, xkv, red))
         if opts.xkv_token_rate is not None:
-            d = unicache_at_rate(base_unicache, opts.xkv_token_rate, "none").to_dict()
-            d["head_merge"]["enabled"] = False
-            tok = UniCacheCompressor(UniCacheConfig.from_dict(d))
+            plain = unicache_at_rate(base_unicache, opts.xkv_token_rate, "none")
+            tok = UniCacheCompressor(token_config_for_xkv(plain))
             both = XKVCompressor(XKVConfig(**{**xcfg.to_dict(), "gradient": "exact"}), tok)
             label = f"unicache {opts.xkv_token_rate:g} + xkv {red:g}x g{g}"
             out.append(Setting(label, "unicache+xkv", opts.xkv_token_rate, None, both, red))

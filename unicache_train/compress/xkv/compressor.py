@@ -26,7 +26,7 @@ from unicache_train.seam import (
 )
 from unicache_train.validation import ConfigError
 
-__all__ = ["XKVCompressor"]
+__all__ = ["XKVCompressor", "token_config_for_xkv"]
 
 
 class XKVCompressor:
@@ -253,6 +253,17 @@ def _rel_error(side: SideFit, i: int, token: torch.Tensor | None) -> torch.Tenso
     x = side.x[i].detach().float()
     x_hat = token.detach() @ side.layer_basis(i).mT
     return (x_hat - x).norm() / x.norm().clamp_min(1e-30)
+
+
+def token_config_for_xkv(config):
+    """``config`` (a :class:`~unicache_train.compress.config.UniCacheConfig`) as the token
+    compressor in front of xKV accepts it: head merging and quantization off (the cross-layer SVD
+    already removes redundancy between heads, and it factors 16-bit entries). The one place that
+    states the rule; :func:`_check_token_compressor` enforces it."""
+    d = config.to_dict()
+    d["head_merge"]["enabled"] = False
+    d["quantize"]["bits"] = None
+    return type(config).from_dict(d)
 
 
 def _check_token_compressor(token: KVCompressor, config: XKVConfig) -> None:
