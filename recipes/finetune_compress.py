@@ -37,6 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from unicache_train.eval.sweep import (
+    QUALITY_ACC_DROP_MAX,
+    QUALITY_ATTN_KL_MAX,
+    QUALITY_PPL_INCREASE_MAX,
+)
 from unicache_train.recipe import (
     FinetuneOptions,
     command_line,
@@ -85,8 +90,10 @@ def before_after(base: list[dict[str, Any]], tuned: list[dict[str, Any]]) -> lis
         acc_frac = r["recall_acc"] / ref_acc if ref_acc > 0 else float("nan")
         reduction = r["kv_reduction"]
         # Recall cannot show a drop when the base recalls nothing: that check is n/a, not a pass.
-        recall_ok = None if not ref_acc > 0 else r["recall_acc"] >= ref_acc - 0.05
-        checks = (ppl_inc <= 0.05, r["attn_kl"] < 0.1, recall_ok)
+        recall_ok = None if not ref_acc > 0 else r["recall_acc"] >= ref_acc - QUALITY_ACC_DROP_MAX
+        checks = (
+            ppl_inc <= QUALITY_PPL_INCREASE_MAX, r["attn_kl"] < QUALITY_ATTN_KL_MAX, recall_ok
+        )
         s6 = False if False in checks else (None if None in checks else True)
 
         out.append({
