@@ -78,7 +78,8 @@ class DynamicFallback(FallbackConfig):
         if state.keys is not state.inp.keys or state.segment is not None:
             raise RuntimeError(
                 "DynamicFallback must run on the uncompressed input, before head merging or "
-                "token compression (source 000 §9)"
+                "token compression: its complexity is measured on the untouched input "
+                "(docs/architecture.md#unicache-pipeline)"
             )
         c = complexity(state.inp, state.window, self.lambda_align, self.align_threshold)
         state.complexity = c
