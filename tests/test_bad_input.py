@@ -10,7 +10,7 @@ argument/override parsing, the config dataclasses, the compressor configs and th
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import math
 import subprocess
 import sys
@@ -211,11 +211,7 @@ def test_e_notation_in_overrides_yaml_and_cli_flags(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- recipes
 def recipe(name: str):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"recipes.{name}")
 
 
 RECIPE_CASES = {

@@ -417,14 +417,9 @@ def test_vlm_table_shows_the_realized_rate() -> None:
 def test_finetune_recipe_table_recall_na_and_realized_rate() -> None:
     """The fine-tune recipe's before/after table: ``checks_s6`` reads n/a (not PASS) when the
     base recalls nothing and nothing else fails, and shows the realized rate."""
-    import importlib.util
-    import sys
+    import importlib
 
-    path = Path(__file__).resolve().parents[1] / "recipes" / "finetune_compress.py"
-    spec = importlib.util.spec_from_file_location("finetune_compress_eval_test", path)
-    fc = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = fc
-    spec.loader.exec_module(fc)
+    fc = importlib.import_module("recipes.finetune_compress")
     unc = dict(ppl=10.0, recall_acc=0.0, kv_reduction=1.0, attn_kl=0.0, output_kl=0.0,
                rate_realized=0.0)  # fmt: skip
     ok = dict(unc, ppl=10.2, kv_reduction=1 / 0.3, attn_kl=0.05, rate_realized=0.4)

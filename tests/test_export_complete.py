@@ -286,16 +286,10 @@ def test_cli_export_of_an_hf_tokenizer_run_copies_it(tmp_path, tokenizer_dir):
 
 # ------------------------------------------------------------------------- the recipe
 def test_finetune_hf_recipe_export_serves(tmp_path, tokenizer_dir, monkeypatch):
-    import importlib.util
-    import sys
+    import importlib
 
     src = _source("llama", tmp_path / "src", tokenizer_dir)
-    spec = importlib.util.spec_from_file_location(
-        "finetune_hf", Path(__file__).parents[1] / "recipes" / "finetune_hf.py"
-    )
-    recipe = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "finetune_hf", recipe)  # its dataclasses look it up
-    spec.loader.exec_module(recipe)
+    recipe = importlib.import_module("recipes.finetune_hf")
     trainer = recipe.main([
         "--checkpoint_dir", str(src), f"hf.export_dir={tmp_path / 'export'}",
         "hf.export_dtype=fp32", f"train.out_dir={tmp_path / 'run'}", "train.max_steps=1",

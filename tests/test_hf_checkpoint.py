@@ -287,18 +287,12 @@ def test_export_refuses_what_the_family_cannot_hold(tmp_path):
 
 # ------------------------------------------------------------------------------- recipe
 def test_finetune_hf_recipe_trains_mhc_and_exports(tmp_path):
-    import importlib.util
-    import sys
-    from pathlib import Path
+    import importlib
 
     from safetensors.torch import load_file
 
     _save_hf("llama", tmp_path / "src", vocab_size=300)
-    spec = importlib.util.spec_from_file_location(
-        "finetune_hf", Path(__file__).parents[1] / "recipes" / "finetune_hf.py")
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = recipe  # its dataclasses look their module up while being built
-    spec.loader.exec_module(recipe)
+    recipe = importlib.import_module("recipes.finetune_hf")
     out = tmp_path / "run"
     trainer = recipe.main([
         "--checkpoint_dir", str(tmp_path / "src"), "hf.mhc=true", "hf.hc_mult=2",

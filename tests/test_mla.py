@@ -442,17 +442,13 @@ def test_latent_bytes_count_c_kv_once_in_the_uncompressed_cache():
 
 
 def test_convert_recipe_config_loads():
-    import importlib.util
-    import sys
+    import importlib
     from pathlib import Path
 
     from unicache_train.validation import ConfigError
 
     path = Path(__file__).resolve().parents[1] / "recipes" / "convert_to_mla.py"
-    spec = importlib.util.spec_from_file_location("convert_to_mla_recipe", path)
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = recipe  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(recipe)
+    recipe = importlib.import_module("recipes.convert_to_mla")
     cfg = recipe.RecipeConfig.load(path.with_suffix(".yaml"), ["convert.heal_steps=3"])
     assert cfg.convert.heal_steps == 3 and cfg.run.model.attention_type == "gqa"
     with pytest.raises(ConfigError, match="weighting"):

@@ -5,8 +5,7 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def _recipe(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_csv_test", RECIPES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"recipes.{name}")
 
 
 def _read(path: Path) -> tuple[list[str], list[dict[str, str]]]:

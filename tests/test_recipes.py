@@ -4,9 +4,8 @@ recipe; ``unicache-train vlm`` reads the VLM recipe's YAML."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,11 +26,7 @@ RECIPES = ROOT / "recipes"
 
 
 def _recipe(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_recipes_test", RECIPES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"recipes.{name}")
 
 
 #: recipe -> how its command line is parsed (the default config, and the arguments it needs).

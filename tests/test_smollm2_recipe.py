@@ -7,7 +7,7 @@ compressed cache, with the storage format its method names.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -24,11 +24,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_compress.py"
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("smollm2_compress_recipe_test", RECIPE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("recipes.smollm2_compress")
 
 
 @pytest.mark.parametrize(

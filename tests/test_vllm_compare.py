@@ -5,7 +5,7 @@ and the token-by-token comparison (the vLLM half needs .venv-vllm and is run by
 from __future__ import annotations
 
 import csv
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
@@ -18,10 +18,7 @@ SCRIPT = REPO / "experiments" / "vllm" / "vllm_compare.py"
 
 @pytest.fixture(scope="module")
 def vc():
-    spec = importlib.util.spec_from_file_location("vllm_compare", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("experiments.vllm.vllm_compare")
 
 
 @pytest.fixture(scope="module")

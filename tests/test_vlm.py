@@ -5,7 +5,6 @@ decoding from prompt embeddings, and the per-task evaluation."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -479,13 +478,9 @@ def test_uncompressed_reference_is_identity_decoding() -> None:
 
 # ----------------------------------------------------------------------------- recipe
 def _recipe():
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("vlm_tiny", ROOT / "recipes" / "vlm_tiny.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["vlm_tiny"] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("recipes.vlm_tiny")
 
 
 def test_recipe_configs_load_and_merge() -> None:

@@ -603,16 +603,9 @@ def test_alignment_of_an_imported_hf_model(tmp_path) -> None:
 
 # ------------------------------------------------------------------ recipe
 def _recipe():
-    import importlib.util
-    import sys
-    from pathlib import Path
+    import importlib
 
-    path = Path(__file__).resolve().parents[1] / "recipes" / "finetune_xkv.py"
-    spec = importlib.util.spec_from_file_location("finetune_xkv", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("finetune_xkv", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("recipes.finetune_xkv")
 
 
 def test_recipe_config_and_options() -> None:
