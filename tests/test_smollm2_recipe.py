@@ -8,7 +8,6 @@ compressed cache, with the storage format its method names.
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -91,11 +90,7 @@ def test_unicache_then_xkv_setting_reaches_its_target(recipe) -> None:
 
 def test_results_table_and_plot_take_kvpress_rows_and_several_tasks(tmp_path) -> None:
     """kvpress rows (recall only) join the study table and plot; perplexity reads 'not measured'."""
-    sys.path.insert(0, str(RECIPE.parents[1] / "scripts"))
-    try:
-        from merge_results import kvpress_row
-    finally:
-        sys.path.pop(0)
+    from scripts.merge_results import kvpress_row
     from unicache_train.eval.report import read_results, write_results
 
     def row(model, method, red, task, recall, ppl):
