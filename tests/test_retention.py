@@ -1,0 +1,240 @@
+"""The learned retention policy (compress/retention.py): it starts as its fixed prior, its
+parameters are model parameters, gradients reach it and the model through both relaxations,
+the budget term drives the kept fraction to the target, the hard selection of inference meets
+the byte target exactly, and it trains under Lightning with its metrics logged."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from unicache_train.compress import UniCacheCompressor, UniCacheConfig, presets
+from unicache_train.compress.retention import RetentionPolicy, attach_retention
+from unicache_train.compress.testing import check_segment, make_input
+from unicache_train.data.config import DataConfig, SyntheticDataConfig
+from unicache_train.inloop import build_compressor
+from unicache_train.model import Decoder
+from unicache_train.model.config import ModelConfig
+from unicache_train.train.config import (
+    CompressionTrainConfig,
+    LoggingConfig,
+    MonitorConfig,
+    RunConfig,
+    TrainConfig,
+)
+from unicache_train.train.module import LMModule
+
+
+def retention_cfg(rate: float = 0.6, bits: int | None = 8, **selection) -> UniCacheConfig:
+    d = presets.retention().to_dict()
+    d["target_rate"] = rate
+    d["quantize"] = {**d["quantize"], "bits": bits}
+    d["selection"] = {**d["selection"], **selection}
+    return UniCacheConfig.from_dict(d)
+
+
+def tiny_model() -> ModelConfig:
+    return ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+
+
+def module(**compress) -> LMModule:
+    cfg = RunConfig(
+        model=tiny_model(),
+        compress=CompressionTrainConfig(enabled=True, preset="retention", **compress),
+    )
+    torch.manual_seed(0)
+    return LMModule(cfg)
+
+
+def batch(B: int = 4, T: int = 48, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 97, (B, T + 1), generator=g)
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:].clone(),
+            "split": torch.full((B,), 32)}  # fmt: skip
+
+
+def kept(seg, b: int) -> list[int]:
+    return seg.positions[b][seg.valid[b]].tolist()
+
+
+# ------------------------------------------------------------------ init: the prior's ranking
+@pytest.mark.parametrize("prior", ["sinks_recent", "snapkv"])
+def test_init_ranking_equals_the_fixed_prior_and_training_moves_it(prior: str) -> None:
+    inp = make_input(H=2, D=16, num_layers=4, layer_idx=2)
+    inp.modality_ids = torch.zeros_like(inp.modality_ids)
+    fixed = getattr(presets, prior)().to_dict()
+    fixed["target_rate"] = 0.7
+    ref = UniCacheCompressor(UniCacheConfig.from_dict(fixed))(inp)
+    policy = RetentionPolicy(4, 2, 16).eval()
+    with torch.no_grad():
+        policy.bias.normal_()  # a per-head constant moves every token alike: no reordering
+    learned = UniCacheCompressor(retention_cfg(0.7, prior=prior), retention=policy)(inp)
+    for b in range(3):
+        assert kept(learned, b) == kept(ref, b)
+    with torch.no_grad():  # a trained key read does reorder (so the check above can fail)
+        policy.weight.normal_(std=3.0)
+    moved = UniCacheCompressor(retention_cfg(0.7, prior=prior), retention=policy)(inp)
+    assert any(kept(moved, b) != kept(ref, b) for b in range(3))
+
+
+# ------------------------------------------------------------------ parameters of the model
+def test_policy_is_a_model_parameter_saved_optimized_and_reloaded() -> None:
+    m = module()
+    assert isinstance(m.model.kv_retention, RetentionPolicy)
+    assert m.model.kv_retention.weight.shape == (2, 2, 16)
+    sd = m.state_dict()
+    assert "model.kv_retention.weight" in sd and "model.kv_retention.bias" in sd
+    opt = m.configure_optimizers()["optimizer"]
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert id(m.model.kv_retention.weight) in in_opt and id(m.model.kv_retention.bias) in in_opt
+    assert m.compressor.retention is m.model.kv_retention
+    with torch.no_grad():
+        m.model.kv_retention.weight.normal_()
+    again = module()
+    again.load_state_dict(m.state_dict(), strict=True)
+    assert torch.equal(again.model.kv_retention.weight, m.model.kv_retention.weight)
+    # Attaching twice reuses the model's policy (e.g. a compressor rebuilt for evaluation).
+    assert attach_retention(again.model) is again.model.kv_retention
+
+
+def test_retention_needs_the_model_and_a_gqa_cache() -> None:
+    cc = CompressionTrainConfig(enabled=True, preset="retention")
+    with pytest.raises(ValueError, match="pass the model to build_compressor"):
+        build_compressor(cc)
+    with pytest.raises(ValueError, match="needs a RetentionPolicy"):
+        UniCacheCompressor(retention_cfg())
+    mla = Decoder(ModelConfig(attention_type="mla", num_hidden_layers=1))
+    with pytest.raises(ValueError, match="attention_type='mla'"):
+        build_compressor(cc, mla)
+
+
+# ------------------------------------------------------------------ gradients
+@pytest.mark.parametrize("relaxation", ["gumbel_sigmoid", "st_topk"])
+def test_lm_loss_gradients_reach_the_retention_logits_and_the_model(relaxation: str) -> None:
+    m = module(unicache={"selection": {"relaxation": relaxation}})
+    loss, logs, per_layer = m.compressed_loss(batch(), step=0)
+    lm = logs["train/lm_loss"]
+    assert "aux_loss" in per_layer[0] and torch.isfinite(loss)
+    assert float(loss) > float(lm)  # the budget term is in the objective
+    # The LM term alone (not only the budget term) reaches the policy and the keys.
+    res_lm = loss - torch.stack([s["aux_loss"] for s in per_layer]).mean()
+    pol = m.model.kv_retention
+    gw, gb = torch.autograd.grad(res_lm, (pol.weight, pol.bias), retain_graph=True)
+    assert torch.isfinite(gw).all() and float(gw.abs().sum()) > 0
+    loss.backward()
+    for layer in m.model.layers:
+        g = layer.self_attn.k_proj.weight.grad
+        assert g is not None and torch.isfinite(g).all() and float(g.abs().sum()) > 0
+    assert float(pol.bias.grad.abs().sum()) > 0
+
+
+def test_gumbel_training_segment_weights_every_context_token_softly() -> None:
+    policy = RetentionPolicy(4, 2, 16).train()
+    inp = make_input(H=2, D=16, requires_grad=True)
+    seg = UniCacheCompressor(retention_cfg(bits=None), retention=policy)(inp)
+    ctx = inp.context_mask
+    assert torch.equal(seg.valid, ctx)  # nothing removed in the relaxed forward
+    c = seg.counts[ctx]
+    assert (c > 0).all() and (c < 1).all() and c.requires_grad
+    assert float(seg.stats["relaxed"]) == 1.0 and float(seg.stats["rate_realized"]) == 0.0
+    policy.eval()  # inference: the hard selection at the target rate, counts 1
+    hard = UniCacheCompressor(retention_cfg(bits=None), retention=policy)(inp)
+    check_segment(inp, hard)
+    assert float(hard.stats["rate_realized"]) > 0.55 and "relaxed" not in hard.stats
+
+
+# ------------------------------------------------------------------ the budget term
+@pytest.mark.parametrize("relaxation", ["gumbel_sigmoid", "st_topk"])
+def test_budget_term_drives_the_kept_fraction_to_the_target(relaxation: str) -> None:
+    """The policy starts keeping almost everything softly (bias +4); 40 AdamW steps of the
+    in-loop objective bring its soft kept fraction to the byte target's (0.4 at rate 0.6)."""
+    sel = {"relaxation": relaxation, "budget_weight": 10.0}
+    m = module(unicache={"target_rate": 0.6, "selection": sel})
+    with torch.no_grad():
+        m.model.kv_retention.bias.fill_(4.0)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.05)
+    torch.manual_seed(0)
+    history = []
+    for step in range(40):
+        loss, logs, _ = m.compressed_loss(batch(seed=step), step=step)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        history.append(float(logs["compress/retention_kept"]))
+    target = 1.0 - float(logs["compress/rate_realized"]) if relaxation == "st_topk" else 0.4
+    assert history[0] > target + 0.3, history[0]
+    assert abs(sum(history[-5:]) / 5 - target) < 0.05, history[-5:]
+
+
+# ------------------------------------------------------------------ inference bytes
+def test_inference_selection_meets_the_byte_target_exactly_in_the_model() -> None:
+    """A trained-looking (random) policy in eval mode, int4 storage, the rate that gives 8x fewer
+    KV bytes: every layer keeps exactly ``n - round(R n)`` context tokens of every sample, the
+    stored bytes are exactly that many tokens' int4 payload + fp16 scales, the reduction
+    reaches 8 and one more token per sample would miss it."""
+    cfg = tiny_model()
+    model = Decoder(cfg).eval()
+    policy = attach_retention(model).eval()
+    with torch.no_grad():
+        policy.weight.normal_(std=2.0)
+    H, D = cfg.num_key_value_heads, cfg.head_size
+    per_token, base_token = 2 * H * (D // 2 + 2), 2 * H * 2 * D
+    split = torch.tensor([30, 41, 47])
+    rate = 1.0 - base_token / (8.0 * per_token) + 0.5 / 30
+    comp = UniCacheCompressor(retention_cfg(rate, bits=4), retention=policy)
+    ids = torch.randint(0, 97, (3, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids, split=split, compressor=comp)
+    n = split.double()
+    want_kept = n - torch.floor(rate * n + 0.5)
+    for stats in out.compression_stats:
+        assert float(stats["kv_bytes"]) == float(want_kept.sum() * per_token)
+        assert float(stats["budget_shortfall"]) == 0.0
+        assert float(stats["kv_reduction"]) >= 8.0
+        assert float((n * base_token).sum() / ((want_kept + 1) * per_token).sum()) < 8.0
+        torch.testing.assert_close(float(stats["retention_kept"]),
+                                   float((want_kept / n).mean()), rtol=0, atol=1e-6)  # fmt: skip
+
+
+# ------------------------------------------------------------------ Lightning
+def test_tiny_fit_trains_the_policy_and_logs_its_metrics(tmp_path: Path) -> None:
+    from unicache_train.train.run import fit
+
+    cfg = RunConfig(
+        model=ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1),  # fmt: skip
+        data=DataConfig(seq_len=96, batch_size=4, pack=False, val_fraction=0.2,
+                        synthetic=SyntheticDataConfig(num_stories=12, num_recall=12,
+                                                      recall_num_facts=3,
+                                                      recall_num_filler=0)),  # fmt: skip
+        train=TrainConfig(max_steps=3, warmup_steps=1, val_every_n_steps=3, limit_val_batches=1,
+                          checkpoint_every_n_steps=3, accelerator="cpu", devices=1,
+                          out_dir=str(tmp_path), progress_bar=False, log_every_n_steps=1),
+        logging=LoggingConfig(logger="csv"),
+        monitor=MonitorConfig(gain=False, compress_every_n_steps=1),
+        compress=CompressionTrainConfig(enabled=True, preset="retention",
+                                        unicache={"quantize": {"bits": 4}}),
+    )  # fmt: skip
+    trainer = fit(cfg)
+    assert trainer.global_step == 3
+    rows = []
+    for f in tmp_path.glob("csv/version_*/metrics.csv"):
+        with f.open() as fh:
+            rows += list(csv.DictReader(fh))
+    cols = {k for r in rows for k, v in r.items() if v not in (None, "")}
+    for name in ("train/aux_loss", "compress/aux_loss", "compress/retention_kept",
+                 "compress/retention_budget_loss", "compress/retention_kept/layer_00",
+                 "compress/retention_kept/layer_01", "compress/retention_budget_loss/layer_01",
+                 "val/ppl_compressed"):  # fmt: skip
+        assert name in cols, name
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    w = ckpt["state_dict"]["model.kv_retention.weight"]
+    assert w.shape == (2, 1, 16) and float(w.abs().sum()) > 0  # trained away from its zero init
+    # Validation runs the hard selection at the byte target (eval mode).
+    ratios = [float(r["compress/ppl_delta"]) for r in rows if r.get("compress/ppl_delta")]
+    assert ratios and all(math.isfinite(x) for x in ratios)
