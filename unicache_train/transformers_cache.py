@@ -35,6 +35,18 @@ batch, as our right-padded prefill lays it out) and the decode steps read the sa
 :class:`~unicache_train.model.compressed_cache.StoredSegment`. Tested in
 ``tests/test_transformers_cache.py`` (logits <= 1e-4, greedy tokens equal, byte counts equal).
 
+Decode steps of a packed (int8/int4) segment go through
+:meth:`~unicache_train.model.compressed_cache.CompressedKVCache.attend`: by default
+(``decode_path="packed"``) attention reads the packed bytes at every step (a Triton kernel on
+CUDA, :func:`unicache_train.ops.decode_attention.decode_attention_packed` on CPU) and the decoded
+tokens go into a preallocated buffer (no per-step concatenation); ``decode_path="buffer"``
+dequantizes each layer's segment once into a working buffer (faster on CPU, as large as an
+uncompressed cache in the model's dtype; :meth:`CompressedCache.working_bytes`).
+
+One cache serves one prompt (batch): a second ``generate()`` on a cache that already decoded
+raises and names :meth:`CompressedCache.reset`. Prefilling by hand and then calling
+``generate()`` with the full ids once (transformers' "continue from a cache") is allowed.
+
 Supported: Llama, Qwen2, Qwen3, Mistral exports and our mHC remote-code export, transformers
 5.2 (tested in CI's kvpress environment when present) to 5.24 (the project's). Not supported:
 MLA (DeepseekV3) exports, beam search (``reorder_cache``), chunked prefill (the prompt must go in
@@ -60,7 +72,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from unicache_train.checkpoint.policy import compressor_from_policy, read_policy
-from unicache_train.model.compressed_cache import CompressedKVCache, StoredSegment
+from unicache_train.model.compressed_cache import DECODE_PATHS, CompressedKVCache, StoredSegment
 from unicache_train.ops.rope import apply_rope, unapply_rope
 from unicache_train.seam import (
     CompressionInput,
@@ -143,6 +155,10 @@ class CompressedCache(Cache):
             only by compressors that work on pre-RoPE keys (xKV with ``keys_pre_rope``).
         cache_dtype_bytes: bytes per element of the deployed floating cache (byte accounting).
         policy: the policy the compressor came from (kept for ``repr`` and reports).
+        decode_path: how decode steps read a packed segment: ``"packed"`` (default),
+            ``"buffer"`` or ``"reference"`` (:class:`~unicache_train.model.compressed_cache.
+            CompressedKVCache`).
+        backend: the packed path's kernel (``"auto"``: Triton on CUDA, BLAS on CPU).
     """
 
     def __init__(
@@ -153,9 +169,15 @@ class CompressedCache(Cache):
         rope: Any = None,
         cache_dtype_bytes: int = 2,
         policy: dict[str, Any] | None = None,
+        decode_path: str = "packed",
+        backend: str = "auto",
     ) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers={num_layers} must be >= 1")
+        if decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path={decode_path!r}; choose one of {DECODE_PATHS}")
+        self.decode_path = decode_path
+        self.backend = backend
         super().__init__(layers=[CompressedLayer(self, i) for i in range(num_layers)])
         self.compressor = compressor
         self.cross = find_cross_layer(compressor)
@@ -214,11 +236,39 @@ class CompressedCache(Cache):
 
     def reset(self) -> None:
         """Forget everything (a new prompt)."""
-        self.inner = CompressedKVCache(self.num_layers, self.cache_dtype_bytes)
+        self.inner = CompressedKVCache(
+            self.num_layers, self.cache_dtype_bytes, decode_path=self.decode_path,
+            backend=self.backend,
+        )  # fmt: skip
         self._seen = [0] * self.num_layers
         self._prefill: dict[int, dict[str, Any]] = {}
         self._inputs: dict[int, CompressionInput] = {}
         self.stats: list[dict[str, torch.Tensor]] = []
+
+    def _has_decoded(self) -> bool:
+        return any(self.inner.num_decoded(i) for i in range(self.num_layers)
+                   if self.inner.segments[i] is not None)  # fmt: skip
+
+    def _refuse_reuse(self) -> None:
+        if self._has_decoded():
+            raise RuntimeError(
+                "this CompressedCache already served a generate() call (a compressed prompt and "
+                "its decoded tokens): call cache.reset() before the next prompt"
+            )
+
+    # transformers' generate() marks a cache passed by the caller at its start (5.24:
+    # ``cache._is_user_defined = True``): a second call on a cache that decoded is a new prompt
+    # on old state, which would silently give other tokens. ``_update`` also refuses a
+    # multi-token forward after decoding (the first forward of another generate()).
+    @property
+    def _is_user_defined(self) -> bool:
+        return self.__dict__.get("_user_defined", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        if value:
+            self._refuse_reuse()
+        self.__dict__["_user_defined"] = value
 
     def __repr__(self) -> str:
         method = (self.policy or {}).get("method", "none")
@@ -250,8 +300,12 @@ class CompressedCache(Cache):
             self._prefill[layer_idx] = {"k": k, "v": v}
             self._seen[layer_idx] += T
             return k, v
+        if T > 1 and self.inner.num_decoded(layer_idx):
+            self._refuse_reuse()
+        # A decode call: the attention function appends k/v and attends in one step
+        # (:meth:`CompressedKVCache.attend`), so hand them over untouched.
         self._seen[layer_idx] += T
-        return self.inner.update(layer_idx, k, v)
+        return k, v
 
     # --------------------------------------------------------------------- compression
     def _compress_prefill(
@@ -343,6 +397,11 @@ class CompressedCache(Cache):
         """The decoded tokens' K/V at the cache dtype."""
         return self.inner.decoded_bytes()
 
+    def working_bytes(self) -> int:
+        """Bytes held beyond the stored cache: ``decode_path="buffer"``'s dequantized segments
+        and unused decoded capacity (:meth:`CompressedKVCache.working_bytes`)."""
+        return self.inner.working_bytes()
+
 
 # -------------------------------------------------------------------------------- attention
 def _key_padding(attention_mask: Any, B: int, S: int, device: torch.device) -> torch.Tensor:
@@ -404,8 +463,9 @@ def compressed_attention(
         cache = active[0]
         _ACTIVE.set(None)
     if cache is not None and cache.inner.segments[layer_idx] is not None:
-        bias = cache.inner.attention_bias(layer_idx, T, query.dtype)  # [B, 1, T, M + S_dec]
-        return _attend(module, query, key, value, bias, scaling), None
+        # key, value: this call's tokens only (``_update``); append and attend in one step.
+        out = cache.inner.attend(layer_idx, query, key, value, scaling)  # [B, H, T, D]
+        return out.transpose(1, 2).contiguous(), None
     # Plain causal attention over the call's keys (the prefill), padding respected.
     valid = _key_padding(attention_mask, B, S, query.device)  # [B, S]
     qi = torch.arange(T, device=query.device)[:, None] + (S - T)

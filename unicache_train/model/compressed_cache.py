@@ -35,9 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from unicache_train.model.attention import count_bias
 from unicache_train.model.kv_cache import KVCache
+from unicache_train.ops.decode_attention import decode_attention, segment_bias
 from unicache_train.ops.rope import apply_rope
 from unicache_train.seam import (
     KVSegment,
@@ -48,7 +50,10 @@ from unicache_train.seam import (
     uncompressed_kv_bytes,
 )
 
-__all__ = ["CompressedKVCache", "StoredSegment"]
+__all__ = ["DECODE_PATHS", "CompressedKVCache", "StoredSegment"]
+
+#: How :meth:`CompressedKVCache.attend` reads a packed segment (see its docstring).
+DECODE_PATHS = ("packed", "buffer", "reference")
 
 
 # --------------------------------------------------------------------------------- storage
@@ -263,6 +268,17 @@ class CompressedKVCache(KVCache):
             ``[c_kv ‖ k_pe]``, decoded latents held once (``values`` unused), the values handed
             to attention are the keys' first ``R`` features, and the baseline is the
             uncompressed latent cache. No sliding windows (MLA has none).
+        decode_path: how :meth:`attend` reads a packed (int8/int4) segment: ``"packed"`` reads
+            the packed bytes at every step (:func:`unicache_train.ops.decode_attention`: Triton
+            on CUDA, BLAS on half-width unpacked nibbles on CPU; nothing segment-sized is kept);
+            ``"buffer"`` dequantizes each layer's segment once, at its first decode step, into a
+            working buffer in the model's dtype that the decoded tokens are appended to in place
+            (fastest on CPU, but the buffer is as large as an uncompressed cache in that dtype:
+            :meth:`working_bytes` reports it, :meth:`kv_bytes` stays the stored bytes);
+            ``"reference"`` is the original path (dequantize and concatenate at every step).
+        backend: ``decode_path="packed"``'s kernel (:func:`~unicache_train.ops.
+            decode_attention.decode_attention`: ``"auto"``, ``"packed"``, ``"triton"``,
+            ``"torch"``).
     """
 
     def __init__(
@@ -271,8 +287,17 @@ class CompressedKVCache(KVCache):
         cache_dtype_bytes: int = 2,
         windows: list[int | None] | None = None,
         latent: bool = False,
+        decode_path: str = "packed",
+        backend: str = "auto",
     ) -> None:
         super().__init__(num_layers)
+        if decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path={decode_path!r}; choose one of {DECODE_PATHS}")
+        self.decode_path = decode_path
+        self.backend = backend
+        #: Per layer: preallocated decoded K/V ``[B, Hk, capacity, D]`` (``"buffer"``: the
+        #: dequantized segment first), the segment bias [B, M] and the segment width in it.
+        self._work: list[dict[str, torch.Tensor | int] | None] = [None] * num_layers
         self.latent = latent
         self.segments: list[StoredSegment | None] = [None] * num_layers
         self.cache_dtype_bytes = cache_dtype_bytes
@@ -369,6 +394,118 @@ class CompressedKVCache(KVCache):
         zero = torch.zeros((), dtype=dtype, device=device)  # (a float64 min overflows fp32)
         dec_part = torch.where(dec_ok, zero, neg).expand(B, T, S)
         return torch.cat([seg_part.to(dtype), dec_part], dim=-1)[:, None]
+
+    # ------------------------------------------------------------------ fused decode step
+    def reads_packed(self, layer_idx: int) -> bool:
+        """Whether :meth:`attend` takes the packed paths for this layer: a packed, non-latent
+        segment with equal K/V widths (even), in a layer without a sliding window."""
+        seg = self._segment(layer_idx)
+        q = seg.quant
+        return (
+            q is not None
+            and self.decode_path != "reference"
+            and not self.latent
+            and not q.latent
+            and q.value_dim in (None, q.head_dim)
+            and q.head_dim % 2 == 0
+            and self.windows[layer_idx] is None
+        )
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """One decode call of a layer: append the new tokens' K/V and attend.
+
+        Args:
+            q: [B, H, T, D] post-RoPE queries; k, v: [B, Hk, T, D] the same tokens' K/V.
+            scale: softmax scale (default ``D ** -0.5``).
+
+        Returns:
+            [B, H, T, D]: softmax over ``[segment (+ log count, invalid masked) ; decoded
+            (causal)]``, equal to :meth:`update` + :meth:`attention_bias` + SDPA (the reference)
+            up to float rounding. Layers :meth:`reads_packed` refuses take that reference path.
+        """
+        if not self.reads_packed(layer_idx):
+            k_all, v_all = self.update(layer_idx, k, v)  # [B, Hk, M + S, D]
+            bias = self.attention_bias(layer_idx, q.shape[2], q.dtype)
+            return F.scaled_dot_product_attention(
+                q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=bias, scale=scale,
+                enable_gqa=True,
+            )  # fmt: skip
+        seg = self._segment(layer_idx)
+        work = self._work[layer_idx]
+        if work is None:
+            work = self._work[layer_idx] = self._start(seg, k)
+        k_dec, v_dec = self._append(layer_idx, work, k, v)  # [B, Hk, S, D] views
+        if self.decode_path == "packed":
+            assert seg.quant is not None
+            return decode_attention(
+                q, seg.quant, seg.head_map, seg.counts, seg.valid, k_dec, v_dec, scale,
+                backend=self.backend, bias=work["bias"],
+            )  # fmt: skip
+        # "buffer": the segment was dequantized once, the decoded tokens follow it in place.
+        M, S, T = int(work["m"]), k_dec.shape[2], q.shape[2]
+        n = torch.arange(T, device=q.device)[:, None] + (S - T)
+        causal = torch.arange(S, device=q.device)[None, :] <= n  # [T, S]
+        dec = torch.zeros(T, S, dtype=q.dtype, device=q.device).masked_fill(~causal, -torch.inf)
+        bias = torch.cat([work["bias"].to(q.dtype)[:, None, None, :].expand(-1, 1, T, -1),
+                          dec.expand(q.shape[0], 1, T, S)], -1)  # fmt: skip
+        kb, vb = work["k"][:, :, : M + S], work["v"][:, :, : M + S]
+        return F.scaled_dot_product_attention(q, kb, vb, attn_mask=bias, scale=scale,
+                                              enable_gqa=True)  # fmt: skip
+
+    def _start(self, seg: StoredSegment, k: torch.Tensor) -> dict[str, torch.Tensor | int]:
+        """A layer's working state at its first decode call: the segment bias and, for the
+        ``"buffer"`` path, the dequantized segment at the head of a preallocated buffer."""
+        bias = segment_bias(seg.counts, seg.valid)  # [B, M] float32, -inf invalid
+        if self.decode_path != "buffer":
+            return {"bias": bias, "m": 0, "k": None, "v": None, "n": 0}
+        k_seg, v_seg = seg.kv(k.dtype)  # [B, Hk, M, D]: the one dequantization of this layer
+        M = k_seg.shape[2]
+        kb = k.new_empty(*k_seg.shape[:2], M + 64, k_seg.shape[3])
+        vb = k.new_empty(*v_seg.shape[:2], M + 64, v_seg.shape[3])
+        kb[:, :, :M], vb[:, :, :M] = k_seg, v_seg
+        return {"bias": bias, "m": M, "k": kb, "v": vb, "n": 0}
+
+    def _append(
+        self, layer_idx: int, work: dict, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new K/V after the held ones (capacity doubles when full, so a step copies
+        nothing); ``keys``/``values`` stay the held tokens (views)."""
+        M, n, T = int(work["m"]), int(work["n"]), k.shape[2]
+        kb = work["k"]
+        if kb is None or M + n + T > kb.shape[2]:
+            cap = max(2 * (kb.shape[2] - M) if kb is not None else 0, n + T, 64)
+            new_k = k.new_empty(*k.shape[:2], M + cap, k.shape[3])
+            new_v = v.new_empty(*v.shape[:2], M + cap, v.shape[3])
+            if kb is not None:
+                new_k[:, :, : M + n] = kb[:, :, : M + n]
+                new_v[:, :, : M + n] = work["v"][:, :, : M + n]
+            work["k"], work["v"] = new_k, new_v
+        work["k"][:, :, M + n : M + n + T] = k
+        work["v"][:, :, M + n : M + n + T] = v
+        work["n"] = n + T
+        self.keys[layer_idx] = work["k"][:, :, M : M + n + T]
+        self.values[layer_idx] = work["v"][:, :, M : M + n + T]
+        return self.keys[layer_idx], self.values[layer_idx]  # type: ignore[return-value]
+
+    def working_bytes(self) -> int:
+        """Bytes held beyond the stored cache (:meth:`kv_bytes` + :meth:`decoded_bytes`): the
+        ``"buffer"`` path's dequantized segments and every layer's unused decoded capacity,
+        at their real element sizes."""
+        total = 0
+        for i, work in enumerate(self._work):
+            if work is None or work["k"] is None:
+                continue
+            kb, vb = work["k"], work["v"]
+            held = (self.keys[i].numel() + self.values[i].numel()) * kb.element_size()
+            total += kb.numel() * kb.element_size() + vb.numel() * vb.element_size() - held
+        return total
 
     # ----------------------------------------------------------------------------- bytes
     def kv_bytes(self, include_metadata: bool = True) -> int:
