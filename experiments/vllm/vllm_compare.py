@@ -62,7 +62,7 @@ CHAT_PROMPTS = (
     "List three fruits that are red.",
     "How many days are there in a leap year?",
 )
-RECALL_SEED = 1_000_003  # the held-out evaluation seed (scripts/kvpress_baseline.py uses it too)
+RECALL_SEED = 1_000_003  # the held-out evaluation seed (experiments/kvpress/kvpress_baseline.py uses it too)
 
 
 # ------------------------------------------------------------------------- project venv side
