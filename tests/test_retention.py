@@ -238,3 +238,37 @@ def test_tiny_fit_trains_the_policy_and_logs_its_metrics(tmp_path: Path) -> None
     # Validation runs the hard selection at the byte target (eval mode).
     ratios = [float(r["compress/ppl_delta"]) for r in rows if r.get("compress/ppl_delta")]
     assert ratios and all(math.isfinite(x) for x in ratios)
+
+
+# ------------------------------------------------------------------ decoding and the file hook
+def test_compressed_decoding_with_the_policy_equals_the_inloop_forward(tmp_path: Path) -> None:
+    """Prefill, compress with the (random, eval-mode) policy, decode token by token: the logits
+    equal the in-loop forward's and the cache holds the bytes the stats counted, also after the
+    policy went through its safetensors file into a fresh model."""
+    from unicache_train.compress.retention import load_retention, save_retention
+    from unicache_train.inloop import continuation_mask
+    from unicache_train.model.generate import decode_teacher_forced
+
+    torch.manual_seed(0)
+    model = Decoder(tiny_model()).eval()
+    with torch.no_grad():
+        attach_retention(model).weight.normal_(std=2.0)
+    file = save_retention(model, tmp_path / "kv_retention.safetensors")
+    fresh = Decoder(tiny_model()).eval()
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items() if "kv_retention" not in k})
+    policy = load_retention(fresh, file).eval()
+    assert torch.equal(policy.weight, model.kv_retention.weight)
+    comp = UniCacheCompressor(retention_cfg(0.6, bits=4), retention=policy)
+    ids = torch.randint(0, 97, (2, 44))
+    split = torch.tensor([29, 18])
+    with torch.no_grad():
+        ref = model(ids, split=split, compressor=comp)
+    got, cache = decode_teacher_forced(fresh, ids, split, comp)
+    cont = continuation_mask(split, ids.shape[1])
+    # fp32, the same math over another key layout: the in-loop tolerance (tests/test_inloop.py).
+    torch.testing.assert_close(got[cont], ref.logits[cont], atol=1e-5, rtol=1e-5)
+    assert cache.kv_bytes(include_metadata=False) == int(
+        sum(float(s["kv_bytes"]) for s in ref.compression_stats)
+    )
+    with pytest.raises(ValueError, match="do not fit"):
+        load_retention(Decoder(ModelConfig(vocab_size=97, num_hidden_layers=3)), file)

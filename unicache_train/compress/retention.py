@@ -48,6 +48,8 @@ attached from the compression side: :func:`attach_retention` registers it on the
 submodule ``kv_retention`` (``model.kv_retention.weight``/``.bias`` in the state dict, the
 optimizer's parameter groups, checkpoints and parameter counts), and the compressor holds a
 reference to it (:func:`unicache_train.inloop.build_compressor` does both).
+:func:`save_retention` / :func:`load_retention` move the policy through a safetensors file (the
+hooks an export and a serving side call; never a pickle).
 
 Shape legend: B, H, T, D, L = batch, KV heads, tokens, head dim, layers.
 """
@@ -55,6 +57,7 @@ Shape legend: B, H, T, D, L = batch, KV heads, tokens, head dim, layers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -73,12 +76,18 @@ __all__ = [
     "RetentionScore",
     "RetentionGate",
     "attach_retention",
+    "save_retention",
+    "load_retention",
+    "RETENTION_FILE",
     "retention_logits",
     "RETENTION_ATTR",
 ]
 
 #: The name of the policy's submodule on the model (``model.kv_retention``).
 RETENTION_ATTR = "kv_retention"
+
+#: The file name an export gives the policy's weights (:func:`save_retention`).
+RETENTION_FILE = "kv_retention.safetensors"
 
 
 class RetentionPolicy(nn.Module):
@@ -158,6 +167,48 @@ def attach_retention(model: nn.Module) -> RetentionPolicy:
         raise ValueError(
             f"model.{RETENTION_ATTR} is a {type(policy).__name__}, not a RetentionPolicy"
         )
+    return policy
+
+
+def save_retention(model: nn.Module, path: str | Path) -> Path:
+    """Write the model's retention policy to a safetensors file (``weight``, ``bias``; never a
+    pickle): the hook an export calls to ship the policy beside the model's weights.
+
+    Raises:
+        ValueError: the model has no ``kv_retention``.
+    """
+    from safetensors.torch import save_file
+
+    policy = getattr(model, RETENTION_ATTR, None)
+    if not isinstance(policy, RetentionPolicy):
+        raise ValueError(f"save_retention: the model has no {RETENTION_ATTR} RetentionPolicy")
+    path = Path(path)
+    tensors = {k: v.detach().float().cpu().contiguous() for k, v in policy.state_dict().items()}
+    save_file(tensors, str(path), metadata={"format": "unicache_retention"})
+    return path
+
+
+def load_retention(model: nn.Module, path: str | Path) -> RetentionPolicy:
+    """Attach a retention policy to ``model`` (:func:`attach_retention`) and load it from a
+    :func:`save_retention` file, strictly (the shapes must fit the model): the hook a serving
+    side calls before ``build_compressor(config, model)``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file's tensors do not fit the model's policy.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"retention policy not found: {path}")
+    policy = attach_retention(model)
+    state = load_file(str(path))
+    want = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if got != want:
+        raise ValueError(f"{path}: retention tensors {got} do not fit the model's {want}")
+    policy.load_state_dict(state, strict=True)
     return policy
 
 
