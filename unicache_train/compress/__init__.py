@@ -6,6 +6,11 @@ UniCache (docs/architecture.md#unicache-pipeline): :class:`UniCacheCompressor` b
 :class:`AlignmentProtect`, :class:`MergeEvict`, :class:`Quantize`, :class:`DynamicFallback`)
 compose through :class:`ComposedCompressor`.
 
+Selections (docs/compression_methods.md): the importance step can be swapped
+(``UniCacheConfig.selection``) for :class:`SinksRecent` (StreamingLLM, arXiv 2309.17453),
+:class:`SnapKV` (arXiv 2404.14469) or a learned :class:`RetentionPolicy` (DMS-like, arXiv
+2506.05345), whose parameters live on the model (``model.kv_retention``).
+
 xKV (arXiv 2503.18893; docs/architecture.md#xkv): :class:`XKVCompressor` built from an
 :class:`XKVConfig`, cross-layer SVD of contiguous layer groups (optionally after UniCache token
 compression).
@@ -24,7 +29,10 @@ from unicache_train.compress.importance import Importance
 from unicache_train.compress.merge_evict import MergeEvict
 from unicache_train.compress.protect import AlignmentProtect
 from unicache_train.compress.quantize import Quantize
+from unicache_train.compress.retention import RetentionPolicy
 from unicache_train.compress.schedule import LayerSchedule
+from unicache_train.compress.sinks_recent import SinksRecent
+from unicache_train.compress.snapkv import SnapKV
 from unicache_train.compress.state import CompressionState
 from unicache_train.compress.xkv import XKVCompressor
 from unicache_train.seam import (
@@ -56,6 +64,9 @@ __all__ = [
     "PerLayerCompressor",
     "Quantize",
     "QuantizedKV",
+    "RetentionPolicy",
+    "SinksRecent",
+    "SnapKV",
     "UniCacheCompressor",
     "UniCacheConfig",
     "XKVCompressor",

@@ -441,6 +441,8 @@ class UniCacheConfig(ConfigBase):
             int8 values", not the identity.
         cache_dtype_bytes: bytes per element of the uncompressed cache ``kv_reduction`` compares
             against (2: fp16/bf16), also used for unquantized segments.
+        selection: which scorer ranks the tokens merge/evict removes (:class:`SelectionConfig`;
+            default ``"unicache"``: the importance step).
     """
 
     target_rate: float = 0.6
