@@ -22,7 +22,11 @@ transformers = pytest.importorskip("transformers")
 import cache_exactness as ce  # noqa: E402  (tests/ is on sys.path under pytest's rootdir)
 
 from unicache_train.checkpoint.policy import read_policy  # noqa: E402
-from unicache_train.transformers_cache import CompressedCache  # noqa: E402
+from unicache_train.transformers_cache import (  # noqa: E402
+    ATTN_IMPLEMENTATION,
+    CACHE_ARGUMENT,
+    CompressedCache,
+)
 from unicache_train.validation import ConfigError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,3 +135,67 @@ def test_cli_generate_from_export(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "x"])
     assert "exactly one of --checkpoint" in capsys.readouterr().err
+
+
+def _tiny_generate_setup(tmp_path):
+    out = ce.export(tmp_path, "llama", "unicache_int8")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation=ATTN_IMPLEMENTATION
+    ).eval()
+    ids = torch.randint(3, 50, (1, 20), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return out, model, ids, kw
+
+
+def test_second_generate_is_refused_until_reset(tmp_path):
+    """A cache that served one generate() refuses the next one (a new prompt on old state gave
+    other tokens silently) with a one-line error naming reset(); after reset() it gives the
+    first call's tokens again. A hand prefill followed by one generate() stays allowed."""
+    out, model, ids, kw = _tiny_generate_setup(tmp_path)
+    cache = CompressedCache.from_pretrained(out)
+    first = model.generate(ids, **{CACHE_ARGUMENT: cache}, **kw)
+    for again in (ids, ids[:, :15], first):  # same, shorter, and longer prompts
+        with pytest.raises(RuntimeError, match=r"call cache\.reset\(\)") as err:
+            model.generate(again, **{CACHE_ARGUMENT: cache}, **kw)
+        assert "\n" not in str(err.value)
+    cache.reset()
+    assert torch.equal(model.generate(ids, **{CACHE_ARGUMENT: cache}, **kw), first)
+    hand = CompressedCache.from_pretrained(out)
+    with torch.no_grad():
+        model(ids[:, :12], **{CACHE_ARGUMENT: hand})  # the context, compressed here
+    cont = model.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE_ARGUMENT: hand}, **kw)
+    assert cont.shape == first.shape
+
+
+def test_beam_search_and_chunked_prefill_keep_clear_errors(tmp_path):
+    out, model, ids, kw = _tiny_generate_setup(tmp_path)
+    with pytest.raises(NotImplementedError, match="does not support beam search"):
+        model.generate(ids, **{CACHE_ARGUMENT: CompressedCache.from_pretrained(out)},
+                       num_beams=2, **kw)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="does not support chunked prefill"):
+        model.generate(ids, **{CACHE_ARGUMENT: CompressedCache.from_pretrained(out)},
+                       prefill_chunk_size=8, **kw)  # fmt: skip
+
+
+def test_decode_paths_give_the_reference_tokens(tmp_path):
+    """Stock generate() with the packed and buffer decode paths == the reference path (the
+    former per-step dequantize): the same greedy tokens, logits within 1e-4, the same stored
+    bytes; the buffer path holds, beyond what the packed path holds, exactly each layer's
+    dequantized segment in fp32 (its working buffer), the reference path nothing."""
+    out, model, ids, kw = _tiny_generate_setup(tmp_path)
+    runs = {}
+    for path in ("reference", "packed", "buffer"):
+        cache = CompressedCache.from_pretrained(out, decode_path=path)
+        res = model.generate(ids, **{CACHE_ARGUMENT: cache}, output_logits=True,
+                             return_dict_in_generate=True, **kw)  # fmt: skip
+        runs[path] = (res.sequences, torch.stack(res.logits, 1), cache)
+    seq_r, log_r, c_r = runs["reference"]
+    for path in ("packed", "buffer"):
+        seq, log, c = runs[path]
+        assert torch.equal(seq, seq_r), path
+        torch.testing.assert_close(log, log_r, atol=1e-4, rtol=0)
+        assert c.kv_bytes() == c_r.kv_bytes() and c.decoded_bytes() == c_r.decoded_bytes()
+    assert c_r.working_bytes() == 0
+    dequantized = sum(2 * 4 * seg.head_map.numel() * seg.valid.shape[1] * seg.quant.head_dim
+                      for seg in runs["buffer"][2].inner.segments)  # fmt: skip
+    assert runs["buffer"][2].working_bytes() - runs["packed"][2].working_bytes() == dequantized

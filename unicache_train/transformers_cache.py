@@ -36,12 +36,13 @@ batch, as our right-padded prefill lays it out) and the decode steps read the sa
 ``tests/test_transformers_cache.py`` (logits <= 1e-4, greedy tokens equal, byte counts equal).
 
 Decode steps of a packed (int8/int4) segment go through
-:meth:`~unicache_train.model.compressed_cache.CompressedKVCache.attend`: by default
-(``decode_path="packed"``) attention reads the packed bytes at every step (a Triton kernel on
+:meth:`~unicache_train.model.compressed_cache.CompressedKVCache.attend`: with
+``decode_path="packed"`` attention reads the packed bytes at every step (a Triton kernel on
 CUDA, :func:`unicache_train.ops.decode_attention.decode_attention_packed` on CPU) and the decoded
 tokens go into a preallocated buffer (no per-step concatenation); ``decode_path="buffer"``
 dequantizes each layer's segment once into a working buffer (faster on CPU, as large as an
-uncompressed cache in the model's dtype; :meth:`CompressedCache.working_bytes`).
+uncompressed cache in the model's dtype; :meth:`CompressedCache.working_bytes`). The default,
+``"auto"``, takes the packed path on CUDA and the buffer on CPU (measured: docs/serving.md).
 
 One cache serves one prompt (batch): a second ``generate()`` on a cache that already decoded
 raises and names :meth:`CompressedCache.reset`. Prefilling by hand and then calling
@@ -155,9 +156,9 @@ class CompressedCache(Cache):
             only by compressors that work on pre-RoPE keys (xKV with ``keys_pre_rope``).
         cache_dtype_bytes: bytes per element of the deployed floating cache (byte accounting).
         policy: the policy the compressor came from (kept for ``repr`` and reports).
-        decode_path: how decode steps read a packed segment: ``"packed"`` (default),
-            ``"buffer"`` or ``"reference"`` (:class:`~unicache_train.model.compressed_cache.
-            CompressedKVCache`).
+        decode_path: how decode steps read a packed segment: ``"auto"`` (default: packed on
+            CUDA, buffer on CPU), ``"packed"``, ``"buffer"`` or ``"reference"``
+            (:class:`~unicache_train.model.compressed_cache.CompressedKVCache`).
         backend: the packed path's kernel (``"auto"``: Triton on CUDA, BLAS on CPU).
     """
 
@@ -169,7 +170,7 @@ class CompressedCache(Cache):
         rope: Any = None,
         cache_dtype_bytes: int = 2,
         policy: dict[str, Any] | None = None,
-        decode_path: str = "packed",
+        decode_path: str = "auto",
         backend: str = "auto",
     ) -> None:
         if num_layers < 1:
@@ -244,6 +245,7 @@ class CompressedCache(Cache):
         self._prefill: dict[int, dict[str, Any]] = {}
         self._inputs: dict[int, CompressionInput] = {}
         self.stats: list[dict[str, torch.Tensor]] = []
+        self._forwards: int | None = None  # forwards since generate() started (None: unmarked)
 
     def _has_decoded(self) -> bool:
         return any(self.inner.num_decoded(i) for i in range(self.num_layers)
@@ -268,6 +270,7 @@ class CompressedCache(Cache):
     def _is_user_defined(self, value: bool) -> None:
         if value:
             self._refuse_reuse()
+            self._forwards = 0
         self.__dict__["_user_defined"] = value
 
     def __repr__(self) -> str:
@@ -290,6 +293,15 @@ class CompressedCache(Cache):
         """k, v: [B, Hk, T, D] post-RoPE -> what this call attends to."""
         _ACTIVE.set((self, layer_idx))
         T = k.shape[2]
+        if layer_idx == 0 and self._forwards is not None:
+            self._forwards += 1
+            # Inside one generate() only its first forward may carry several tokens (the
+            # prompt, or the new tokens after a hand prefill); a later one is a prefill chunk.
+            if self._forwards > 1 and T > 1:
+                raise NotImplementedError(
+                    "CompressedCache does not support chunked prefill (prefill_chunk_size): the "
+                    "prompt must be prefilled in one forward to be compressed"
+                )
         if self.inner.segments[layer_idx] is None:
             if layer_idx in self._prefill or self._seen[layer_idx]:
                 raise RuntimeError(

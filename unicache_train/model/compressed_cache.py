@@ -53,7 +53,7 @@ from unicache_train.seam import (
 __all__ = ["DECODE_PATHS", "CompressedKVCache", "StoredSegment"]
 
 #: How :meth:`CompressedKVCache.attend` reads a packed segment (see its docstring).
-DECODE_PATHS = ("packed", "buffer", "reference")
+DECODE_PATHS = ("auto", "packed", "buffer", "reference")
 
 
 # --------------------------------------------------------------------------------- storage
@@ -268,7 +268,10 @@ class CompressedKVCache(KVCache):
             ``[c_kv ‖ k_pe]``, decoded latents held once (``values`` unused), the values handed
             to attention are the keys' first ``R`` features, and the baseline is the
             uncompressed latent cache. No sliding windows (MLA has none).
-        decode_path: how :meth:`attend` reads a packed (int8/int4) segment: ``"packed"`` reads
+        decode_path: how :meth:`attend` reads a packed (int8/int4) segment: ``"auto"`` (default)
+            takes ``"packed"`` on CUDA and ``"buffer"`` on CPU (chosen by measurement: on CPU
+            the packed path's per-step unpacking costs more than the plain cache's attention,
+            docs/serving.md); ``"packed"`` reads
             the packed bytes at every step (:func:`unicache_train.ops.decode_attention`: Triton
             on CUDA, BLAS on half-width unpacked nibbles on CPU; nothing segment-sized is kept);
             ``"buffer"`` dequantizes each layer's segment once, at its first decode step, into a
@@ -287,7 +290,7 @@ class CompressedKVCache(KVCache):
         cache_dtype_bytes: int = 2,
         windows: list[int | None] | None = None,
         latent: bool = False,
-        decode_path: str = "packed",
+        decode_path: str = "auto",
         backend: str = "auto",
     ) -> None:
         super().__init__(num_layers)
@@ -440,9 +443,12 @@ class CompressedKVCache(KVCache):
         seg = self._segment(layer_idx)
         work = self._work[layer_idx]
         if work is None:
-            work = self._work[layer_idx] = self._start(seg, k)
+            path = self.decode_path
+            if path == "auto":
+                path = "packed" if q.is_cuda else "buffer"
+            work = self._work[layer_idx] = self._start(seg, k, path)
         k_dec, v_dec = self._append(layer_idx, work, k, v)  # [B, Hk, S, D] views
-        if self.decode_path == "packed":
+        if work["path"] == "packed":
             assert seg.quant is not None
             return decode_attention(
                 q, seg.quant, seg.head_map, seg.counts, seg.valid, k_dec, v_dec, scale,
@@ -459,18 +465,18 @@ class CompressedKVCache(KVCache):
         return F.scaled_dot_product_attention(q, kb, vb, attn_mask=bias, scale=scale,
                                               enable_gqa=True)  # fmt: skip
 
-    def _start(self, seg: StoredSegment, k: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    def _start(self, seg: StoredSegment, k: torch.Tensor, path: str) -> dict:
         """A layer's working state at its first decode call: the segment bias and, for the
         ``"buffer"`` path, the dequantized segment at the head of a preallocated buffer."""
         bias = segment_bias(seg.counts, seg.valid)  # [B, M] float32, -inf invalid
-        if self.decode_path != "buffer":
-            return {"bias": bias, "m": 0, "k": None, "v": None, "n": 0}
+        if path != "buffer":
+            return {"bias": bias, "m": 0, "k": None, "v": None, "n": 0, "path": path}
         k_seg, v_seg = seg.kv(k.dtype)  # [B, Hk, M, D]: the one dequantization of this layer
         M = k_seg.shape[2]
         kb = k.new_empty(*k_seg.shape[:2], M + 64, k_seg.shape[3])
         vb = k.new_empty(*v_seg.shape[:2], M + 64, v_seg.shape[3])
         kb[:, :, :M], vb[:, :, :M] = k_seg, v_seg
-        return {"bias": bias, "m": M, "k": kb, "v": vb, "n": 0}
+        return {"bias": bias, "m": M, "k": kb, "v": vb, "n": 0, "path": path}
 
     def _append(
         self, layer_idx: int, work: dict, k: torch.Tensor, v: torch.Tensor
