@@ -140,6 +140,10 @@ def evaluate(
     if isinstance(limit_batches, bool) or not isinstance(limit_batches, int) or limit_batches < 1:
         raise ConfigError(f"evaluate --limit_batches={limit_batches!r} is out of range; allowed "
                           "an integer in [1, inf)")
+    if compression is not None:  # before the sweep, not after it
+        from unicache_train.preflight import check_output_dir
+
+        check_output_dir(compression.out_dir, what="--compression.out_dir")
     model, config = load_checkpoint(checkpoint)
     data_cfg = data or config.data
     dm = LMDataModule(data_cfg)
@@ -206,6 +210,7 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
+    trust_remote_code: bool = False,
 ) -> str:
     """Generate a continuation of ``prompt`` (greedy when temperature is 0).
 
@@ -225,6 +230,9 @@ def generate(
         temperature: sampling temperature (0 = greedy).
         top_k: sample among the k most likely tokens.
         seed: sampling seed.
+        trust_remote_code: run the Python files an ``--export`` directory's config names even
+            when they are not this package's own mHC code (which is always allowed, verified
+            byte for byte); without it such an export is refused.
     """
     import torch
 
@@ -241,7 +249,7 @@ def generate(
 
         result = generate_from_export(
             export, prompt, compressed=compressed, chat=chat, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_k=top_k, seed=seed,
+            temperature=temperature, top_k=top_k, seed=seed, trust_remote_code=trust_remote_code,
         )  # fmt: skip
         print(prompt + result.text)
         print(result.summary(), file=sys.stderr)
@@ -250,10 +258,13 @@ def generate(
         raise ConfigError("generate --compressed / --chat apply to --export directories only")
     from unicache_train.checkpoint import load_checkpoint
     from unicache_train.data.tokenizer import load_tokenizer
+    from unicache_train.serve import check_positions
 
     model, config = load_checkpoint(checkpoint)
     tok = load_tokenizer(config.data.tokenizer)
     ids = torch.tensor([tok.encode(prompt, add_bos=True)])
+    check_positions(ids.shape[1], max_new_tokens, config.model.max_position_embeddings,
+                    checkpoint)
     gen = torch.Generator().manual_seed(seed)
     out = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k,
                          eos_token_id=tok.eos_token_id, generator=gen)
@@ -292,6 +303,7 @@ def export(
     family: str = "llama",
     dtype: str = "fp32",
     compression_config: bool = True,
+    overwrite: bool = False,
 ) -> str:
     """Export a checkpoint for inference stacks (HF transformers, vLLM, SGLang).
 
@@ -308,11 +320,13 @@ def export(
         dtype: ``fp32`` or ``bf16`` (mHC connection parameters stay fp32).
         compression_config: write ``compression_config.json`` when the run trained with KV
             compression in the loop.
+        overwrite: replace a previous export in ``out`` (all of its files); without it a
+            non-empty ``out`` is refused.
     """
     from unicache_train.checkpoint.export import export_checkpoint
 
     path = export_checkpoint(checkpoint, out, format=format, family=family, dtype=dtype,
-                             with_compression_config=compression_config)
+                             with_compression_config=compression_config, overwrite=overwrite)
     print(f"wrote {path}")
     return str(path)
 
@@ -354,7 +368,7 @@ def _fold_compress_flags(argv: list[str]) -> list[str]:
     import json
 
     from unicache_train.train.config import deep_merge
-    from unicache_train.validation import load_yaml
+    from unicache_train.validation import load_yaml, load_yaml_file
 
     if not argv or argv[0] not in ("fit", "pretrain", "vlm"):
         return argv
@@ -368,7 +382,7 @@ def _fold_compress_flags(argv: list[str]) -> list[str]:
         if key == "--config":
             path = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
             if path is not None and Path(path).is_file():
-                loaded = load_yaml(Path(path).read_text()) or {}
+                loaded = load_yaml_file(path) or {}
                 section = loaded.get("compress") if isinstance(loaded, dict) else None
                 for name in _MAPPING_SECTIONS:
                     sub = section.get(name) if isinstance(section, dict) else None
@@ -384,7 +398,7 @@ def _fold_compress_flags(argv: list[str]) -> list[str]:
             node = folded[parts[1]]
             for part in parts[2:-1]:
                 node = node.setdefault(part, {})
-            node[parts[-1]] = load_yaml(value)
+            node[parts[-1]] = load_yaml(value, key)
             i += 1
             continue
         if len(parts) == 2 and parts[0] == "--compress" and parts[1] in _MAPPING_SECTIONS:
@@ -393,7 +407,7 @@ def _fold_compress_flags(argv: list[str]) -> list[str]:
                     raise ConfigError(f"{key}: missing value")
                 value = argv[i + 1]
                 i += 1
-            mapping = load_yaml(value)
+            mapping = load_yaml(value, key)
             if not isinstance(mapping, dict):
                 raise ConfigError(f"{key}={value!r}: expected a mapping (JSON or YAML)")
             folded[parts[1]] = deep_merge(folded[parts[1]], mapping)
@@ -411,10 +425,18 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     """The errors that mean "bad input" (a message for the user, not a bug to trace)."""
     from unicache_train.checkpoint.deepseek_v3 import DeepseekV3ExportError
     from unicache_train.checkpoint.hf import HFCheckpointError
+    from unicache_train.checkpoint.integrity import (
+        CheckpointError,
+        IntegrityError,
+        NonFiniteError,
+        WriteError,
+    )
     from unicache_train.checkpoint.safe_load import UnsafeCheckpointError
+    from unicache_train.checkpoint.trust import RemoteCodeError
 
     return (ConfigError, FileNotFoundError, HFCheckpointError, DeepseekV3ExportError,
-            UnsafeCheckpointError)
+            UnsafeCheckpointError, IntegrityError, CheckpointError, NonFiniteError, WriteError,
+            RemoteCodeError)
 
 
 def user_error(err: BaseException) -> BaseException | None:
@@ -457,6 +479,19 @@ def _refuse_renamed_flags(argv: list[str]) -> None:
                 )
 
 
+def _check_config_files(argv: list[str]) -> None:
+    """Read every ``--config FILE`` safely first: a tag (``!!python/object``), a syntax error or
+    non-UTF-8 text is one line naming the file and the line, before the parser sees it."""
+    from unicache_train.validation import load_yaml_file
+
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key == "--config":
+            path = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+            if path is not None and Path(path).is_file():
+                load_yaml_file(path)
+
+
 def report_user_errors(fn: Callable[[], T]) -> T:
     """Run ``fn``; bad input ends the process with one line ``error: <message>`` on stderr and
     exit code 2 instead of a traceback. Every other exception propagates unchanged."""
@@ -477,6 +512,7 @@ def main(argv: list[str] | None = None) -> None:
     def run() -> None:
         args = list(sys.argv[1:] if argv is None else argv)
         _refuse_renamed_flags(args)
+        _check_config_files(args)
         args = _fold_compress_flags(args)
         CLI(
             {"fit": fit, "pretrain": fit, "vlm": vlm, "evaluate": evaluate,

@@ -39,7 +39,7 @@ from unicache_train.validation import (
     apply_overrides,
     build_config,
     check_int,
-    load_yaml,
+    load_yaml_file,
 )
 
 __all__ = [
@@ -118,7 +118,7 @@ def parse_recipe_args(
 def _read_mapping(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
-    data = load_yaml(path.read_text()) or {}
+    data = load_yaml_file(path) or {}  # safe: tags refused, errors name the file and line
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
     return data

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["GenerationResult", "load_export", "generate_from_export", "prompt_kv_bytes"]
+__all__ = ["GenerationResult", "load_export", "generate_from_export", "prompt_kv_bytes",
+           "check_positions"]
 
 
 @dataclass
@@ -62,22 +63,47 @@ class GenerationResult:
         )
 
 
-def load_export(export: str | Path, *, compressed: bool, dtype: torch.dtype = torch.float32):
+def load_export(export: str | Path, *, compressed: bool, dtype: torch.dtype = torch.float32,
+                trust_remote_code: bool = False):
     """(model, tokenizer) of an export directory; with ``compressed`` the model attends through
-    the compressed cache's registered attention."""
+    the compressed cache's registered attention.
+
+    The directory is checked first (:func:`unicache_train.checkpoint.trust.check_export_dir`):
+    its checksum manifest, safetensors weights, a tokenizer, and remote code, which runs only
+    when it is our own mHC code (byte-equal to the package's copy) or ``trust_remote_code``.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from unicache_train.checkpoint.trust import check_export_dir
     from unicache_train.transformers_cache import ATTN_IMPLEMENTATION
 
     export = Path(export)
-    if not (export / "config.json").is_file():
-        raise FileNotFoundError(f"--export {export}: no config.json there (not an export)")
+    remote = check_export_dir(export, trust_remote_code=trust_remote_code)
     attn = ATTN_IMPLEMENTATION if compressed else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(
-        export, attn_implementation=attn, trust_remote_code=True, dtype=dtype
+        export, attn_implementation=attn, trust_remote_code=remote, dtype=dtype,
+        use_safetensors=True,
     ).eval()
-    tok = AutoTokenizer.from_pretrained(export)
+    tok = AutoTokenizer.from_pretrained(export, trust_remote_code=trust_remote_code)
     return model, tok
+
+
+def check_positions(prompt_tokens: int, max_new_tokens: int, positions: int | None,
+                    source: Any) -> None:
+    """Refuse a prompt that, with the tokens to generate, needs more positions than the model
+    has (``max_position_embeddings``; None: unbounded).
+
+    Raises:
+        ConfigError: naming the prompt's tokens, ``max_new_tokens`` and the limit.
+    """
+    from unicache_train.validation import ConfigError
+
+    if positions is not None and prompt_tokens + max_new_tokens > positions:
+        raise ConfigError(
+            f"generate --prompt: {prompt_tokens} tokens + --max_new_tokens {max_new_tokens} "
+            f"exceed the {positions} positions of {source} (max_position_embeddings); shorten "
+            "the prompt or generate fewer tokens"
+        )
 
 
 def prompt_kv_bytes(config: Any, prompt_tokens: int, dtype_bytes: int = 2) -> int:
@@ -104,6 +130,7 @@ def generate_from_export(
     top_k: int | None = None,
     seed: int = 0,
     model_and_tokenizer: tuple[Any, Any] | None = None,
+    trust_remote_code: bool = False,
 ) -> GenerationResult:
     """Generate with stock ``model.generate`` from an export directory.
 
@@ -114,12 +141,18 @@ def generate_from_export(
         chat: wrap each prompt in the export's chat template as a user turn.
         max_new_tokens, temperature, top_k, seed: decoding (greedy when temperature is 0).
         model_and_tokenizer: reuse an already loaded pair (:func:`load_export`).
+        trust_remote_code: run the export's own code even when it is not ours
+            (:func:`load_export`).
+
+    Raises:
+        ConfigError: a prompt plus ``max_new_tokens`` longer than the model's positions.
     """
     from transformers import DynamicCache
 
     from unicache_train.transformers_cache import CACHE_ARGUMENT, CompressedCache
 
-    model, tok = model_and_tokenizer or load_export(export, compressed=compressed)
+    model, tok = model_and_tokenizer or load_export(export, compressed=compressed,
+                                                    trust_remote_code=trust_remote_code)
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if chat:
         if not getattr(tok, "chat_template", None):
@@ -134,6 +167,8 @@ def generate_from_export(
         tok.pad_token = tok.eos_token
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
     lens = enc["attention_mask"].sum(1).tolist()
+    check_positions(max(lens), max_new_tokens,
+                    getattr(model.config, "max_position_embeddings", None), export)
     if compressed:
         cache = CompressedCache.from_pretrained(export)
         method = (cache.policy or {}).get("method", "none")

@@ -34,6 +34,7 @@ __all__ = [
     "build_config",
     "interval",
     "load_yaml",
+    "load_yaml_file",
     "apply_overrides",
 ]
 
@@ -65,10 +66,45 @@ _YAMLLoader.add_implicit_resolver(
 )
 
 
-def load_yaml(text: str) -> Any:
+def load_yaml(text: str, source: str | Path | None = None) -> Any:
     """Parse YAML text (a config file or one ``section.field=value`` override's value) with
-    :class:`_YAMLLoader`: ``1e-4``, ``1E-4``, ``.5``, ``-.5``, ``1_000`` are numbers."""
-    return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
+    :class:`_YAMLLoader`: ``1e-4``, ``1E-4``, ``.5``, ``-.5``, ``1_000`` are numbers.
+
+    Plain data only: a tag that would build an object (``!!python/object``, ``!!python/name``)
+    is refused, as is any syntax error, in one :class:`ConfigError` line naming ``source`` (the
+    file, or the override) and the line.
+    """
+    try:
+        return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as err:
+        raise ConfigError(_yaml_error(err, source)) from None
+    except RecursionError:
+        raise ConfigError(f"{source or 'YAML'}: nested too deeply to read") from None
+
+
+def load_yaml_file(path: str | Path) -> Any:
+    """:func:`load_yaml` of a file, read as UTF-8 (errors name the file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    return load_yaml(text, path)
+
+
+def _yaml_error(err: yaml.YAMLError, source: str | Path | None) -> str:
+    where = str(source) if source is not None else "YAML"
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    if mark is not None:
+        where += f": line {mark.line + 1}, column {mark.column + 1}"
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    if isinstance(err, yaml.constructor.ConstructorError) and "tag" in problem:
+        return (f"{where}: {problem.split(' for the tag ')[-1].strip()} is refused: configs "
+                "are plain data (mappings, lists, strings, numbers, booleans); a tag that builds "
+                "objects could run code")
+    return f"{where}: invalid YAML ({problem})"
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -84,7 +120,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = load_yaml(raw)
+        node[parts[-1]] = load_yaml(raw, f"override {item!r}")
     return data
 
 
@@ -195,9 +231,7 @@ class ConfigBase:
     def load(cls: type[C], path: str | Path, overrides: list[str] | None = None) -> C:
         """Read a YAML config and apply ``section.field=value`` overrides."""
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        data = load_yaml(path.read_text()) or {}
+        data = load_yaml_file(path) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
         apply_overrides(data, overrides or [])

@@ -119,6 +119,54 @@ def fetched_dir(name: str, root: str | Path | None = None) -> Path:
     return path
 
 
+#: GGUF versions the ``gguf`` reader understands (1 has 32-bit counts and is long gone).
+GGUF_VERSIONS = (2, 3)
+# Smallest encodings: a key-value pair (u64 key length, u32 value type, one byte of value) and a
+# tensor info (u64 name length, u32 dims, one u64 dim, u32 type, u64 offset).
+_MIN_KV_BYTES, _MIN_TENSOR_BYTES = 13, 32
+
+
+def check_gguf_file(path: str | Path) -> None:
+    """Refuse, in one line naming the file, what is not a readable GGUF file: garbage, an
+    unknown version, counts the file is too small to hold, a truncated file.
+
+    Raises:
+        HFCheckpointError: naming the file, the field and the value.
+    """
+    import struct
+
+    from unicache_train.checkpoint.hf import HFCheckpointError
+
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(24)
+    if len(head) < 24:
+        raise HFCheckpointError(f"{path}: {size} bytes, too short for a GGUF header (24 bytes)")
+    if head[:4] != b"GGUF":
+        raise HFCheckpointError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
+    version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+    if version not in GGUF_VERSIONS:
+        raise HFCheckpointError(
+            f"{path}: GGUF version {version}; readable versions: {list(GGUF_VERSIONS)}"
+        )
+    if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_BYTES > size - 24:
+        raise HFCheckpointError(
+            f"{path}: header counts {n_tensors} tensors and {n_kv} metadata entries, more than "
+            f"its {size} bytes can hold (corrupt or truncated)"
+        )
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return  # gguf_to_hf_dir says what to install
+    try:
+        GGUFReader(path)  # memory-mapped: parses the metadata and checks every tensor's extent
+    except (ValueError, IndexError, KeyError, struct.error, OSError) as err:
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise HFCheckpointError(f"{path}: not a readable GGUF file, truncated or corrupt "
+                                f"({first})") from None
+
+
 def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path) -> Path:
     """Dequantize a GGUF file into a plain HF checkpoint directory (fp32 safetensors).
 
@@ -142,6 +190,7 @@ def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path) -> Path:
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_file}")
+    check_gguf_file(gguf_file)
     out_dir = Path(out_dir)
     src, name = str(gguf_file.parent), gguf_file.name
     loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name)

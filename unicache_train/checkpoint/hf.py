@@ -71,12 +71,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from unicache_train.checkpoint import serving
+from unicache_train.checkpoint.integrity import write_manifest
 from unicache_train.checkpoint.policy import (  # noqa: F401  (re-exported)
+    COMPRESSION_CONFIG,
     COMPRESSION_SCHEMA_VERSION,
     write_compression_config,
 )
 from unicache_train.model import Decoder
 from unicache_train.model.config import ROPE_TYPE_FIELDS, ROPE_TYPES, ModelConfig, RopeScalingConfig
+from unicache_train.preflight import available_memory, check_model_fits
 from unicache_train.validation import ConfigError
 
 __all__ = [
@@ -208,8 +211,10 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
     """An HF ``config.json`` dict -> (our :class:`ModelConfig`, family).
 
     Raises:
-        HFCheckpointError: unknown family or an option our decoder does not implement.
+        HFCheckpointError: unknown family, an option our decoder does not implement, or a size
+            field that is missing or not a whole number (named, with its value).
     """
+    _check_size_fields(hf)
     model_type = hf.get("model_type")
     if model_type == MHC_MODEL_TYPE:
         return _from_mhc_config(hf), MHC_MODEL_TYPE
@@ -252,6 +257,40 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
             window = {"sliding_window": int(w)}  # every layer (transformers' Mistral)
     return _model_config(hf, attention_bias=bias, qk_norm=model_type == "qwen3",
                          **window), model_type  # fmt: skip
+
+
+_REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings",
+                   "sliding_window", "max_window_layers", "sliding_window_pattern")
+
+
+def _check_size_fields(hf: Any) -> None:
+    """Every size field of an HF config is a whole number (``1e9`` counts; ``"abc"``, ``2.5``,
+    ``[1]`` do not) and the required ones are present; else one line naming the field."""
+    if not isinstance(hf, dict):
+        raise HFCheckpointError(f"config.json: expected a JSON object, got {type(hf).__name__}")
+    for name in _REQUIRED_SIZES + _OPTIONAL_SIZES:
+        if name not in hf or (hf[name] is None and name in _OPTIONAL_SIZES):
+            if name in _REQUIRED_SIZES and hf.get("model_type") != "deepseek_v3":
+                raise HFCheckpointError(f"config.json lacks the required field {name!r}")
+            continue
+        value = hf[name]
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        least = 1 if name in _REQUIRED_SIZES else 0
+        if isinstance(value, bool) or not whole or value < least:
+            raise HFCheckpointError(
+                f"config.json {name}={value!r}: expected a whole number >= {least}"
+            )
+    # NOTE: before anything sized by these fields is built (a per-layer list of 1e9 entries
+    # hangs as surely as the weights would): every layer holds at least a C x C query projection.
+    L, C = int(hf.get("num_hidden_layers") or 0), int(hf.get("hidden_size") or 0)
+    if L * C * C * 4 > available_memory():
+        raise HFCheckpointError(
+            f"config.json num_hidden_layers={L}, hidden_size={C}: at least {L * C * C:.3g} "
+            f"parameters ({L * C * C * 4 / 2**30:,.1f} GiB in fp32), more than the "
+            f"{available_memory() / 2**30:,.1f} GiB of memory available"
+        )
 
 
 def _from_gemma3_config(hf: dict[str, Any]) -> ModelConfig:
@@ -770,7 +809,12 @@ def import_hf(
         from unicache_train.checkpoint.gguf import converted_dir
 
         path = converted_dir(path)  # dequantized once into the cache, then read as HF
-    config, family = from_hf_config(_read_config(path))
+    try:
+        config, family = from_hf_config(_read_config(path))
+    except HFCheckpointError as err:  # name the directory: "config.json x=..." -> "DIR/config..."
+        msg = str(err)
+        raise HFCheckpointError(f"{path}/{msg}" if msg.startswith("config.json") else msg) from None
+    check_model_fits(config, f"{path / 'config.json'}")  # before anything is allocated
     sd = from_hf_state_dict(load_safetensors_dir(path), config, family)
     model = Decoder(config)
     model.load_state_dict(sd, strict=True)
@@ -855,9 +899,12 @@ def export_hf(
             shutil.copyfile(_REMOTE_CODE / name, out / name)
     if compression_policy is not None:
         write_compression_config(compression_policy, out)
+    else:  # an earlier export's policy must not outlive it (it would be served with this model)
+        (out / COMPRESSION_CONFIG).unlink(missing_ok=True)
     serving.write_serving_files(
         out, source, hf_config, bos_token_id=bos_token_id, eos_token_id=eos_token_id
     )
+    write_manifest(out)  # unicache_manifest.json: what serving verifies
     return out
 
 

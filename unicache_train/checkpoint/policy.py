@@ -36,6 +36,8 @@ __all__ = [
 
 COMPRESSION_CONFIG = "compression_config.json"
 COMPRESSION_SCHEMA_VERSION = 1
+_DOC_KEYS = {"schema_version", "format", "library", "policy"}
+_POLICY_KEYS = {"method", "preset", "unicache", "xkv"}
 
 
 def policy_of(compress: CompressionTrainConfig) -> dict[str, Any] | None:
@@ -80,21 +82,25 @@ def read_policy(export_dir: str | Path) -> dict[str, Any] | None:
     export was not trained with compression).
 
     Raises:
-        ConfigError: the file is not a unicache compression config of a schema we read, or its
-            method is unknown.
+        ConfigError: the file is not a unicache compression config of a schema we read (bad
+            JSON, unknown keys, an unknown method, a missing or empty section, an invalid
+            setting): one line naming the file.
     """
+    from unicache_train.checkpoint.trust import read_json
+
     file = Path(export_dir) / COMPRESSION_CONFIG
     if not file.is_file():
         return None
-    try:
-        doc = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{file} is not valid JSON: {err}") from err
+    doc = read_json(file)  # one line for bad JSON, bad UTF-8, nesting too deep
     if not isinstance(doc, dict) or doc.get("format") != "unicache_compression":
         raise ConfigError(
             f"{file}: format={doc.get('format') if isinstance(doc, dict) else None!r}; expected "
             "'unicache_compression'"
         )
+    unknown = sorted(set(doc) - _DOC_KEYS)
+    if unknown:  # e.g. an auto_map: nothing in this file may name code
+        raise ConfigError(f"{file}: unknown key(s) {unknown} at the top level; allowed: "
+                          f"{sorted(_DOC_KEYS)}")
     version = doc.get("schema_version")
     if version != COMPRESSION_SCHEMA_VERSION:
         raise ConfigError(
@@ -104,11 +110,30 @@ def read_policy(export_dir: str | Path) -> dict[str, Any] | None:
     policy = doc.get("policy")
     if not isinstance(policy, dict):
         raise ConfigError(f"{file}: 'policy' must be a mapping, got {type(policy).__name__}")
+    unknown = sorted(set(policy) - _POLICY_KEYS)
+    if unknown:
+        raise ConfigError(f"{file}: unknown key(s) {unknown} in policy; allowed: "
+                          f"{sorted(_POLICY_KEYS)}")
     method = policy.get("method")
     if method not in COMPRESS_METHODS:
         raise ConfigError(
             f"{file}: policy.method={method!r}; allowed: {list(COMPRESS_METHODS)}"
         )
+    if method != "none":
+        # NOTE: the writer stores resolved configurations; a missing or empty section would be
+        # filled with today's defaults, not the run's settings, so it is refused.
+        needed = ["unicache"] + (["xkv"] if "xkv" in method else [])
+        for name in needed:
+            section = policy.get(name)
+            if not isinstance(section, dict) or not section:
+                raise ConfigError(
+                    f"{file}: policy.{name}={section!r}; method {method!r} needs the resolved "
+                    f"{name} configuration (a non-empty mapping, as the export wrote it)"
+                )
+        try:
+            compression_config_of(policy)
+        except ConfigError as err:
+            raise ConfigError(f"{file}: {err}") from None
     return policy
 
 

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from unicache_train.checkpoint.integrity import IntegrityError, verify
+
 __all__ = [
     "UnsafeCheckpointError",
     "deepspeed_safe_globals",
@@ -63,10 +65,12 @@ def deepspeed_safe_globals() -> tuple[Any, ...]:
     return (ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address)
 
 
-def _refusal(path: Path, err: Exception) -> UnsafeCheckpointError:
+def _refusal(path: Path, err: Exception) -> UnsafeCheckpointError | IntegrityError:
     text = str(err)
     name = re.search(r"GLOBAL (\S+) was not an allowed global", text)
     detail = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+    if name is None and (detail is None or not detail.group(1).strip()):
+        return _unreadable(path, "not a pickle, nor a torch.save zip file")
     if name:
         reason = f"its pickle calls {name.group(1)!r}"
     else:
@@ -101,27 +105,45 @@ def load_torch_file(
     Raises:
         UnsafeCheckpointError: the file needs a global (class or function) outside the
             allow-list; the message names the file and the global. Nothing in it was run.
+        IntegrityError: the file is empty, truncated or not a ``torch.save`` file.
         FileNotFoundError: no such file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if path.stat().st_size == 0:
+        raise _unreadable(path, "the file is empty")
+    # Only for ZeRO files: importing DeepSpeed takes seconds.
+    allowed = list(deepspeed_safe_globals()) if deepspeed else []
     try:
-        # Only for ZeRO files: importing DeepSpeed takes seconds.
-        allowed = list(deepspeed_safe_globals()) if deepspeed else []
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            try:
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            except RuntimeError:
+                if not mmap:
+                    raise
+                # a legacy (non-zip) file cannot be mapped: read it
+                return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         raise _refusal(path, err) from None
+    except Exception as err:  # noqa: BLE001
+        # NOTE: the restricted unpickler runs no code, so whatever it raises on a damaged file
+        # (EOFError, IndexError, a zip error, ...) is a property of the file, not a bug here.
+        first = (str(err).splitlines() or [""])[0].split(". ")[0] or type(err).__name__
+        raise _unreadable(path, first) from None
+
+
+def _unreadable(path: Path, why: str) -> IntegrityError:
+    return IntegrityError(
+        f"{path}: not a readable checkpoint ({why}); it is truncated, empty or not written by "
+        "torch.save"
+    )
 
 
 def check_torch_file(path: str | Path, *, deepspeed: bool = False) -> None:
     """Raise :class:`UnsafeCheckpointError` unless ``path`` loads with the restricted unpickler
     (memory-mapped when possible, so large shards are not read twice into memory)."""
-    try:
-        load_torch_file(path, deepspeed=deepspeed, mmap=True)
-    except RuntimeError:  # a legacy (non-zip) file cannot be mapped; read it
-        load_torch_file(path, deepspeed=deepspeed)
+    load_torch_file(path, deepspeed=deepspeed, mmap=True)
 
 
 def check_zero_files(ckpt_dir: str | Path) -> list[Path]:
@@ -137,6 +159,7 @@ def check_zero_files(ckpt_dir: str | Path) -> list[Path]:
     Raises:
         UnsafeCheckpointError: a file needs more than plain data (named in the message).
     """
+    verify(ckpt_dir)  # the directory's checksum manifest, when it has one
     latest = Path(ckpt_dir) / "latest"
     if not latest.is_file():
         return []

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from unicache_train.checkpoint.integrity import WriteError
 from unicache_train.checkpoint.safe_load import check_torch_file, check_zero_files, load_torch_file
 
 __all__ = [
@@ -356,16 +357,45 @@ def publish(tmp: Path, path: Path) -> None:
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temporary sibling of ``path``, fsync it, then :func:`publish`."""
+    """Call ``write(tmp)`` on a temporary sibling of ``path``, fsync it, then :func:`publish`.
+
+    Raises:
+        WriteError: the write failed (disk full, permission, ...): the temporary is removed,
+            ``path`` is untouched, and the message names ``path`` and the cause.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(path)
-    remove_path(tmp)
-    write(tmp)
-    if tmp.is_file():
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-    publish(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_path(tmp)
+        write(tmp)
+        if tmp.is_file():
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+        publish(tmp, path)
+    except (OSError, RuntimeError) as err:
+        # NOTE: torch.save reports a full disk as a RuntimeError ("unexpected pos ..."), not
+        # as an OSError; the free space tells the two apart.
+        remove_path(tmp)
+        raise write_error(path, err) from None
+
+
+def write_error(path: Path, err: BaseException) -> WriteError:
+    """A one-line :class:`WriteError` for a failed write of ``path``: the cause by errno, or by
+    the free space left when the writer hid the errno (torch.save)."""
+    where = path.parent if path.parent.exists() else Path(path.anchor or ".")
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = None
+    if isinstance(err, OSError) and err.errno is not None:
+        cause = os.strerror(err.errno)
+    elif free is not None and free < (1 << 20):
+        cause = "No space left on device"
+    else:
+        cause = (str(err).splitlines() or [type(err).__name__])[0]
+    room = "" if free is None else f"; {free:,} bytes free there"
+    return WriteError(f"{path}: could not write it ({cause}{room}); nothing was left behind")
 
 
 def remove_stale_temporaries(ckpt_dir: str | Path) -> list[Path]:

@@ -49,6 +49,7 @@ Notes for the trainer:
 from __future__ import annotations
 
 import glob
+import json
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -146,6 +147,38 @@ def _is_blank(path: str, max_read: int = 1 << 20) -> bool:
         return not fh.read().strip()
 
 
+def first_bad_line(files: Sequence[str], loader: str) -> str | None:
+    """``"FILE line N: problem"`` for the first line of ``files`` that is not UTF-8 or (loader
+    ``json`` on ``.jsonl``) not one JSON object; a ``.json`` file is parsed whole. None when
+    every line reads (parquet files are not scanned)."""
+    for f in files:
+        if loader == "parquet":
+            continue
+        whole_json = loader == "json" and not f.endswith(".jsonl")
+        with open(f, "rb") as fh:
+            raw = fh.read() if whole_json else None
+            lines = [raw] if whole_json else fh
+            for n, line in enumerate(lines, 1):
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    at = n if not whole_json else line[: err.start].count(b"\n") + 1
+                    return f"{f} line {at}: not UTF-8 text (byte {err.start} of the line)"
+                if loader != "json" or not text.strip():
+                    continue
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError as err:
+                    at = n if not whole_json else err.lineno
+                    return f"{f} line {at}: invalid JSON ({err.msg})"
+                except RecursionError:
+                    return f"{f} line {n}: JSON nested too deeply to read"
+                if not whole_json and not isinstance(value, dict):
+                    return (f"{f} line {n}: expected a JSON object per line, got "
+                            f"{type(value).__name__}")
+    return None
+
+
 def load_documents(cfg: DataConfig, cache_dir: str | None = None) -> datasets.Dataset:
     """The documents of ``cfg.source`` as a dataset with a ``text`` column.
 
@@ -172,9 +205,28 @@ def load_documents(cfg: DataConfig, cache_dir: str | None = None) -> datasets.Da
         kwargs: dict[str, Any] = {}
         if loader == "text":
             kwargs["sample_by"] = cfg.text_sample_by
-        ds = datasets.load_dataset(
-            loader, data_files=files, split="train", cache_dir=cache_dir, **kwargs
-        )
+        try:
+            ds = datasets.load_dataset(
+                loader, data_files=files, split="train", cache_dir=cache_dir, **kwargs
+            )
+            ds = _text_documents(ds, cfg, files)
+        except ConfigError:
+            raise
+        except Exception as err:
+            # `datasets` names neither the file nor the line (DatasetGenerationError, ArrowInvalid,
+            # a UnicodeDecodeError when the column is read); find them. A failure with no bad
+            # line behind it propagates.
+            bad = first_bad_line(files, loader)
+            if bad is None:
+                raise
+            raise ConfigError(f"DataConfig.source: {bad}") from err
+        return ds
+    return _text_documents(ds, cfg, [])
+
+
+def _text_documents(ds: datasets.Dataset, cfg: DataConfig, files: list[str]) -> datasets.Dataset:
+    """The ``text`` column (+ split columns) of ``ds``, empty and None texts dropped."""
+    if cfg.source != "synthetic":
         if cfg.text_field not in ds.column_names:
             where = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
             raise ConfigError(

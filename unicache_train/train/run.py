@@ -97,8 +97,14 @@ def build_trainer(config: RunConfig, callbacks: list[L.Callback] | None = None) 
         every_n_train_steps=tc.checkpoint_every_n_steps,
         save_last=True,
         save_top_k=-1,
+        # NOTE: last.ckpt is replaced, never versioned (last-v1.ckpt): a run resumed from a
+        # copied or moved folder, or after a corrupt last.ckpt, keeps one name to resume from.
+        enable_version_counter=False,
     )
-    cbs: list[L.Callback] = [ckpt_cb, *_monitors(config), *(callbacks or [])]
+    from unicache_train.train.guards import NonFiniteGuard
+
+    cbs: list[L.Callback] = [ckpt_cb, NonFiniteGuard(out_dir / "checkpoints"), *_monitors(config),
+                             *(callbacks or [])]  # fmt: skip
     loggers = build_loggers(config, out_dir)
     if loggers:
         cbs.append(LearningRateMonitor(logging_interval="step"))
@@ -136,11 +142,19 @@ def resolve_resume(config: RunConfig) -> str | None:
     """``train.resume``: None (fresh run), ``"auto"`` (the run's ``last.ckpt`` if present) or a
     checkpoint path (must exist; a ``.ckpt`` file or a ZeRO checkpoint directory).
 
-    With ``"auto"``, rank 0 first deletes what a killed run left half-written (``*.tmp``), and a
-    ``last.ckpt`` caught between the two renames of a ZeRO directory swap resumes from
-    ``last.ckpt.old`` (see :mod:`unicache_train.checkpoint.zero`).
+    With ``"auto"``, rank 0 first deletes what a killed run left half-written (``*.tmp``); then
+    the newest *intact* checkpoint wins (:mod:`unicache_train.checkpoint.resume`): ``last.ckpt``,
+    ``last.ckpt.old`` (a ZeRO directory swap caught between its two renames), then the newest
+    ``stepNNNNNN.ckpt``. Each newer one skipped (corrupt, truncated, missing) is reported in one
+    line saying which checkpoint is used instead.
+
+    Raises:
+        IntegrityError: checkpoints exist but none is intact (a silent restart from step 0 would
+            lose the run; set ``train.resume=null`` to start over).
     """
-    from unicache_train.checkpoint.zero import find_resume_checkpoint, remove_stale_temporaries
+    from unicache_train.checkpoint.integrity import IntegrityError
+    from unicache_train.checkpoint.resume import newest_intact_checkpoint
+    from unicache_train.checkpoint.zero import remove_stale_temporaries
 
     resume = config.train.resume
     if resume is None:
@@ -150,8 +164,16 @@ def resolve_resume(config: RunConfig) -> str | None:
         if int(os.environ.get("RANK", 0)) == 0:
             for path in remove_stale_temporaries(ckpt_dir):
                 log.warning("removed %s, left half-written by an interrupted run", path)
-        last = find_resume_checkpoint(ckpt_dir)
-        return str(last) if last is not None else None
+        found, skipped = newest_intact_checkpoint(ckpt_dir)
+        if skipped and found is None:
+            raise IntegrityError(
+                f"{ckpt_dir}: no intact checkpoint to resume from ({skipped[0][1]}; "
+                f"{len(skipped)} checked); set train.resume=null to start over"
+            )
+        for path, why in skipped:
+            log.warning("not resuming from %s: %s; resuming from %s instead", path.name, why,
+                        found)
+        return str(found) if found is not None else None
     if not Path(resume).exists():
         raise ConfigError(f"TrainConfig.resume={resume!r}: no such checkpoint file")
     return resume
@@ -171,11 +193,42 @@ class InitFromCheckpoint(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        from unicache_train.checkpoint.safe_load import load_torch_file
+        from unicache_train.checkpoint.lightning_ckpt import check_state_dict, read_checkpoint
 
-        ckpt = load_torch_file(self.path, map_location="cpu")
+        ckpt = read_checkpoint(self.path)
         state = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+        expected = {k: tuple(v.shape) for k, v in pl_module.state_dict().items()
+                    if k.startswith("model.")}  # fmt: skip
+        check_state_dict(state, expected, self.path, "this run's model")
         pl_module.load_state_dict(state, strict=True)
+
+
+def preflight(config: RunConfig) -> None:
+    """Before any work: the model fits in memory, and ``out_dir`` and its ``checkpoints``
+    folder are writable with room for one checkpoint (weights + AdamW moments).
+
+    Raises:
+        ConfigError: the model would not fit (the estimate named).
+        WriteError: a folder is not writable or too full (named, with the cause).
+    """
+    from unicache_train.preflight import check_model_fits, check_output_dir, checkpoint_bytes
+
+    check_model_fits(config.model, "model")
+    if int(os.environ.get("RANK", 0)) == 0:
+        out_dir = Path(config.train.out_dir)
+        check_output_dir(out_dir, what="train.out_dir")
+        check_output_dir(out_dir / "checkpoints", checkpoint_bytes(config.model),
+                         what="checkpoint folder")
+
+
+def check_resume_fits(path: str | Path, module: L.LightningModule) -> None:
+    """A checkpoint file to resume from must hold this run's tensors, every one of its shape
+    (else one line naming the file and the first differences, not a strict-load traceback)."""
+    from unicache_train.checkpoint.lightning_ckpt import check_state_dict, read_checkpoint
+
+    ckpt = read_checkpoint(path, mmap=True)
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    check_state_dict(ckpt["state_dict"], expected, path, "this run's model")
 
 
 def fit(config: RunConfig, callbacks: list[L.Callback] | None = None) -> L.Trainer:
@@ -185,9 +238,12 @@ def fit(config: RunConfig, callbacks: list[L.Callback] | None = None) -> L.Train
     config = apply_launcher_env(config)
     L.seed_everything(config.train.seed, workers=True, verbose=False)
     out_dir = Path(config.train.out_dir)
+    preflight(config)
     ckpt_path = resolve_resume(config)
     datamodule = LMDataModule(config.data)
     module = LMModule(config)
+    if ckpt_path is not None and Path(ckpt_path).is_file():
+        check_resume_fits(ckpt_path, module)
     parallelize_model(module.model, config)  # recompute (then compile); sharding: the strategy
     trainer = build_trainer(config, callbacks)
     if trainer.is_global_zero:

@@ -53,6 +53,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from unicache_train.checkpoint.integrity import manifest_path, verify, write_manifest
 from unicache_train.checkpoint.safe_load import (
     UnsafeCheckpointError,
     check_torch_file,
@@ -167,11 +168,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         atomic_write(Path(path), lambda tmp: torch.save(checkpoint, tmp))
+        write_manifest(Path(path))  # NAME.sha256, checked by every load
+
+    def remove_checkpoint(self, path: Any) -> None:
+        super().remove_checkpoint(path)
+        remove_path(manifest_path(Path(path)))
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         # Resume (``trainer.fit(ckpt_path=...)``) reads plain data only, whatever the caller
-        # asks: a checkpoint whose pickle would call code is refused, nothing run.
+        # asks: a checkpoint whose pickle would call code is refused, nothing run. A file that
+        # differs from its checksum manifest is refused too.
+        verify(Path(path))
         if map_location is None:
             map_location = lambda storage, loc: storage  # noqa: E731 - Lightning's default
         return load_torch_file(path, map_location=map_location)
@@ -193,6 +201,7 @@ class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
         super().save_checkpoint(checkpoint, tmp, storage_options)  # every rank writes its shard
         self.barrier("zero_ckpt_written")
         if self.is_global_zero:
+            write_manifest(tmp)  # tmp/unicache_manifest.json: every shard's size and SHA-256
             publish(tmp, path)
         self.barrier("zero_ckpt_published")
 
