@@ -1,8 +1,36 @@
-"""Small statistics helpers shared by the evaluation tasks."""
+"""Statistics of the evaluation: single proportions and paired comparisons.
+
+- :func:`wilson_interval`: a 95% interval for an accuracy ``hits / n`` that stays honest at 0
+  and ``n`` (0/32 gives [0, 0.107], not "0.00 ± 0.00"). Wilson, JASA 22 (1927).
+- :func:`mcnemar_exact`: two models (or settings) answered the **same** prompts; the exact
+  two-sided McNemar test is the binomial test of the discordant pairs ``(b, c)`` against
+  ``p = 1/2``. McNemar, Psychometrika 12 (1947); the exact form: Fagerland et al., BMC Med. Res.
+  Methodol. 13:91 (2013).
+- :func:`paired_bootstrap_ppl`: the perplexity change between two runs on the **same** text
+  blocks, with a percentile interval from resampling blocks (both runs take the same resampled
+  blocks). Efron & Tibshirani, An Introduction to the Bootstrap (1993), ch. 13.
+
+Pooled tests across training seeds concatenate the per-seed pairs (each prompt answered by a
+seed-``k`` model of each arm is one pair).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "McNemar",
+    "PairedPPL",
+    "binomial_stderr",
+    "format_p",
+    "mcnemar_exact",
+    "paired_bootstrap_ppl",
+    "wilson_interval",
+]
+
+_Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 
 
 def binomial_stderr(hits: int, n: int) -> float:
@@ -11,7 +39,162 @@ def binomial_stderr(hits: int, n: int) -> float:
     Raises:
         ValueError: ``n < 1`` or ``hits`` outside ``[0, n]``.
     """
-    if n < 1 or not 0 <= hits <= n:
-        raise ValueError(f"binomial_stderr: need 0 <= hits <= n and n >= 1; got {hits}, {n}")
+    _check_counts(hits, n, "binomial_stderr")
     p = hits / n
     return math.sqrt(p * (1.0 - p) / n)
+
+
+def _check_counts(hits: int, n: int, who: str) -> None:
+    if n < 1 or not 0 <= hits <= n:
+        raise ValueError(f"{who}: need 0 <= hits <= n and n >= 1; got hits={hits}, n={n}")
+
+
+def wilson_interval(hits: int, n: int, z: float = _Z95) -> tuple[float, float]:
+    """Wilson score interval of ``hits / n`` (default 95%).
+
+    ``(p + z²/2n ± z sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)`` with ``p = hits / n``.
+
+    Raises:
+        ValueError: ``n < 1``, ``hits`` outside ``[0, n]`` or ``z <= 0``.
+    """
+    _check_counts(hits, n, "wilson_interval")
+    if not z > 0:
+        raise ValueError(f"wilson_interval: z={z!r} is out of range; allowed > 0")
+    p = hits / n
+    z2 = z * z
+    centre = p + z2 / (2 * n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    denom = 1 + z2 / n
+    lo, hi = (centre - half) / denom, (centre + half) / denom
+    # The formula gives exactly 0 (hits = 0) and 1 (hits = n) up to rounding: clamp it.
+    return (0.0 if hits == 0 else max(lo, 0.0), 1.0 if hits == n else min(hi, 1.0))
+
+
+@dataclass(frozen=True)
+class McNemar:
+    """Exact McNemar test of two paired accuracies.
+
+    Attributes:
+        n: pairs (prompts answered by both).
+        a_hits, b_hits: correct answers of A and of B.
+        only_a: A right, B wrong (``b`` in McNemar's table).
+        only_b: A wrong, B right (``c``).
+        p_value: two-sided exact p (1.0 when there is no discordant pair).
+    """
+
+    n: int
+    a_hits: int
+    b_hits: int
+    only_a: int
+    only_b: int
+    p_value: float
+
+    @property
+    def difference(self) -> float:
+        """Accuracy of B minus accuracy of A."""
+        return (self.b_hits - self.a_hits) / self.n
+
+
+def mcnemar_exact(a: Sequence[bool], b: Sequence[bool]) -> McNemar:
+    """Exact two-sided McNemar test: ``p = min(1, 2 P[X <= min(only_a, only_b)])`` with
+    ``X ~ Binomial(only_a + only_b, 1/2)``.
+
+    Args:
+        a, b: per-prompt correctness of A and B, the same prompts in the same order.
+
+    Raises:
+        ValueError: the two lists differ in length or are empty.
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(
+            f"mcnemar_exact: need two equally long, non-empty lists; got {len(a)} and {len(b)}"
+        )
+    only_a = sum(1 for x, y in zip(a, b) if x and not y)
+    only_b = sum(1 for x, y in zip(a, b) if y and not x)
+    d = only_a + only_b
+    if d == 0:
+        p = 1.0
+    else:
+        k = min(only_a, only_b)
+        tail = sum(math.comb(d, i) for i in range(k + 1)) / 2**d
+        p = min(1.0, 2.0 * tail)
+    return McNemar(len(a), sum(map(bool, a)), sum(map(bool, b)), only_a, only_b, p)
+
+
+@dataclass(frozen=True)
+class PairedPPL:
+    """Perplexity of B relative to A on the same blocks, with a bootstrap interval.
+
+    Attributes:
+        ppl_a, ppl_b: token-weighted perplexities over all blocks.
+        change: ``ppl_b / ppl_a - 1``.
+        lo, hi: percentile interval of ``change`` (default 95%).
+        blocks: blocks compared.
+        resamples: bootstrap resamples.
+    """
+
+    ppl_a: float
+    ppl_b: float
+    change: float
+    lo: float
+    hi: float
+    blocks: int
+    resamples: int
+
+
+def paired_bootstrap_ppl(
+    nll_a: Sequence[float],
+    nll_b: Sequence[float],
+    tokens: Sequence[int],
+    *,
+    resamples: int = 10_000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> PairedPPL:
+    """Paired bootstrap of the perplexity change from per-block summed NLLs.
+
+    Each resample draws ``len(tokens)`` block indices with replacement (the same indices for A
+    and B) and computes ``exp((ΣB - ΣA) / Σtokens) - 1`` over them; the interval is the
+    resamples' ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles.
+
+    Args:
+        nll_a, nll_b: summed NLL (nats) of each block under A and under B.
+        tokens: scored tokens of each block.
+        resamples: bootstrap resamples (>= 100).
+        level: interval coverage in (0, 1).
+        seed: the resampling seed (fixed: the interval is reproducible).
+
+    Raises:
+        ValueError: lengths differ, fewer than 2 blocks, a block without tokens, or an
+            argument out of range.
+    """
+    import numpy as np
+
+    n = len(tokens)
+    if len(nll_a) != n or len(nll_b) != n or n < 2:
+        raise ValueError(
+            f"paired_bootstrap_ppl: need >= 2 blocks and equal lengths; got {len(nll_a)}, "
+            f"{len(nll_b)}, {n}"
+        )
+    if min(tokens) < 1:
+        raise ValueError(f"paired_bootstrap_ppl: every block needs >= 1 token; got {min(tokens)}")
+    if resamples < 100:
+        raise ValueError(f"paired_bootstrap_ppl: resamples={resamples} is out of range; >= 100")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"paired_bootstrap_ppl: level={level!r} is out of range; allowed (0, 1)")
+    a = np.asarray(nll_a, dtype=np.float64)
+    b = np.asarray(nll_b, dtype=np.float64)
+    t = np.asarray(tokens, dtype=np.float64)
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))  # [R, n]
+    change = np.expm1((b[idx].sum(1) - a[idx].sum(1)) / t[idx].sum(1))
+    lo, hi = np.quantile(change, [(1 - level) / 2, (1 + level) / 2])
+    ppl_a = math.exp(a.sum() / t.sum())
+    ppl_b = math.exp(b.sum() / t.sum())
+    return PairedPPL(ppl_a, ppl_b, ppl_b / ppl_a - 1.0, float(lo), float(hi), n, resamples)
+
+
+def format_p(p: float) -> str:
+    """A p-value for a table: ``p = 0.031``, ``p = 0.0004``, ``p < 1e-6``."""
+    if p < 1e-6:
+        return "p < 1e-6"
+    return f"p = {p:.2g}" if p < 0.001 else f"p = {p:.3f}"

@@ -1,8 +1,10 @@
 """Continuation perplexity on real English prose, the context compressed.
 
-The prose is the held-out part of the Python Language Reference
-(:func:`unicache_train.data.reference_text.reference_documents`; the fine-tuning mix uses only
-the other part).
+The prose is held out **by source**: the King James Bible
+(:func:`unicache_train.data.eval_text.eval_documents`), which no training mix contains (the
+fine-tuning mix trains on the Python Language Reference; its section split leaks, see
+:mod:`unicache_train.data.eval_text`). Per-block losses (:attr:`TextResult.block_nll_sum`)
+feed the paired bootstrap of :func:`unicache_train.eval.stats.paired_bootstrap_ppl`.
 
 Each held-out section is tokenized and cut into blocks of ``context + continuation`` tokens;
 the context is prefilled and compressed, the continuation is scored. The in-loop forward
@@ -50,11 +52,18 @@ class TextResult:
         nll_sum: summed NLL (nats) over ``tokens`` continuation tokens.
         tokens: scored tokens.
         block_nll: per-block mean NLL (for the standard error across blocks).
+        block_tokens: per-block scored tokens.
     """
 
     nll_sum: float = 0.0
     tokens: int = 0
     block_nll: list[float] | None = None
+    block_tokens: list[int] | None = None
+
+    @property
+    def block_nll_sum(self) -> list[float]:
+        """Per-block summed NLL (nats), what a paired bootstrap resamples."""
+        return [m * t for m, t in zip(self.block_nll or [], self.block_tokens or [])]
 
     @property
     def nll(self) -> float:
@@ -101,7 +110,7 @@ def run_text_perplexity(
     if not 1 <= context < T:
         raise ValueError(f"context={context} is out of range; allowed [1, {T - 1}]")
     device = next(model.parameters()).device
-    res = TextResult(block_nll=[])
+    res = TextResult(block_nll=[], block_tokens=[])
     for s in range(0, N, batch_size):
         ids = blocks[s : s + batch_size].to(device)
         B = ids.shape[0]
@@ -118,4 +127,5 @@ def run_text_perplexity(
         res.nll_sum += float(nll.sum())
         res.tokens += nll.numel()
         res.block_nll.extend(nll.mean(1).tolist())
+        res.block_tokens.extend([nll.shape[1]] * B)
     return res
