@@ -199,3 +199,21 @@ def test_decode_paths_give_the_reference_tokens(tmp_path):
     dequantized = sum(2 * 4 * seg.head_map.numel() * seg.valid.shape[1] * seg.quant.head_dim
                       for seg in runs["buffer"][2].inner.segments)  # fmt: skip
     assert runs["buffer"][2].working_bytes() - runs["packed"][2].working_bytes() == dequantized
+
+
+def test_unpadded_prompt_takes_the_causal_kernel_exactly(tmp_path):
+    """A prompt without padding is prefilled with SDPA's causal kernel (no explicit mask):
+    with no policy, stock generate through the cache == transformers' own SDPA model."""
+    out = ce.export(tmp_path, "llama", "off")
+    ids = torch.randint(3, 50, (1, 23), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)  # fmt: skip
+    ours = transformers.AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation=ATTN_IMPLEMENTATION
+    ).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").eval()
+    a = ours.generate(ids, **{CACHE_ARGUMENT: CompressedCache.from_pretrained(out)}, **kw)
+    b = ref.generate(ids, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    torch.testing.assert_close(torch.stack(a.logits, 1), torch.stack(b.logits, 1), atol=1e-5,
+                               rtol=0)  # fmt: skip

@@ -332,13 +332,14 @@ class CompressedCache(Cache):
         state = self._prefill.pop(layer_idx)
         k, v = state["k"], state["v"]
         B, _, P, _ = k.shape
-        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # real first
         n = valid.sum(1)  # [B]
+        if not bool(valid.all()):  # ragged batch (no padding: already in place)
+            order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # real first
 
-        def front(x: torch.Tensor) -> torch.Tensor:  # [B, H, P, D] -> same, real tokens first
-            return x.gather(2, order[:, None, :, None].expand_as(x))
+            def front(x: torch.Tensor) -> torch.Tensor:  # [B, H, P, D] -> real tokens first
+                return x.gather(2, order[:, None, :, None].expand_as(x))
 
-        q, k, v = front(q), front(k), front(v)
+            q, k, v = front(q), front(k), front(v)
         positions = torch.arange(P, device=k.device).expand(B, P)
         if self.pre_rope:
             cos, sin = self.rope(positions, torch.float32)
@@ -480,12 +481,20 @@ def compressed_attention(
         return out.transpose(1, 2).contiguous(), None
     # Plain causal attention over the call's keys (the prefill), padding respected.
     valid = _key_padding(attention_mask, B, S, query.device)  # [B, S]
-    qi = torch.arange(T, device=query.device)[:, None] + (S - T)
-    causal = torch.arange(S, device=query.device)[None, :] <= qi  # [T, S]
-    mask = causal[None] & valid[:, None, :]  # [B, T, S]
-    # A padded query sees no key: let it see itself so that its (unused) row is finite.
-    mask = mask | (torch.arange(S, device=query.device)[None, :] == qi)[None]
-    out = _attend(module, query, key, value, mask[:, None], scaling)
+    if T == S and bool(valid.all()):
+        # NOTE: no padding: SDPA's causal kernel (block skipping, no [T, S] mask). With an
+        # explicit mask the CPU prefill of a 2k-token prompt spent as long in attention as in
+        # all the linear layers.
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])  # fmt: skip
+        out = out.transpose(1, 2).contiguous()
+    else:
+        qi = torch.arange(T, device=query.device)[:, None] + (S - T)
+        causal = torch.arange(S, device=query.device)[None, :] <= qi  # [T, S]
+        mask = causal[None] & valid[:, None, :]  # [B, T, S]
+        # A padded query sees no key: let it see itself so that its (unused) row is finite.
+        mask = mask | (torch.arange(S, device=query.device)[None, :] == qi)[None]
+        out = _attend(module, query, key, value, mask[:, None], scaling)
     if cache is not None:
         cache._compress_prefill(layer_idx, query, valid)
     return out, None

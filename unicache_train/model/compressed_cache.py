@@ -456,11 +456,21 @@ class CompressedKVCache(KVCache):
             )  # fmt: skip
         # "buffer": the segment was dequantized once, the decoded tokens follow it in place.
         M, S, T = int(work["m"]), k_dec.shape[2], q.shape[2]
-        n = torch.arange(T, device=q.device)[:, None] + (S - T)
-        causal = torch.arange(S, device=q.device)[None, :] <= n  # [T, S]
-        dec = torch.zeros(T, S, dtype=q.dtype, device=q.device).masked_fill(~causal, -torch.inf)
-        bias = torch.cat([work["bias"].to(q.dtype)[:, None, None, :].expand(-1, 1, T, -1),
-                          dec.expand(q.shape[0], 1, T, S)], -1)  # fmt: skip
+        if T == 1:  # one query sees every held token: the bias is a prefix of a kept row
+            row = work.get("row")
+            if row is None or row.shape[-1] < M + S:
+                row = torch.zeros(q.shape[0], 1, 1, work["k"].shape[2], dtype=q.dtype,
+                                  device=q.device)  # fmt: skip
+                row[:, 0, 0, :M] = work["bias"].to(q.dtype)
+                work["row"] = row
+            bias = row[..., : M + S]  # [B, 1, 1, M + S]
+        else:
+            n = torch.arange(T, device=q.device)[:, None] + (S - T)
+            causal = torch.arange(S, device=q.device)[None, :] <= n  # [T, S]
+            dec = torch.zeros(T, S, dtype=q.dtype, device=q.device)
+            dec = dec.masked_fill(~causal, -torch.inf)
+            bias = torch.cat([work["bias"].to(q.dtype)[:, None, None, :].expand(-1, 1, T, -1),
+                              dec.expand(q.shape[0], 1, T, S)], -1)  # fmt: skip
         kb, vb = work["k"][:, :, : M + S], work["v"][:, :, : M + S]
         return F.scaled_dot_product_attention(q, kb, vb, attn_mask=bias, scale=scale,
                                               enable_gqa=True)  # fmt: skip
