@@ -90,8 +90,15 @@ def test_policy_is_a_model_parameter_saved_optimized_and_reloaded() -> None:
     sd = m.state_dict()
     assert "model.kv_retention.weight" in sd and "model.kv_retention.bias" in sd
     opt = m.configure_optimizers()["optimizer"]
-    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
-    assert id(m.model.kv_retention.weight) in in_opt and id(m.model.kv_retention.bias) in in_opt
+    pol = [
+        g for g in opt.param_groups if any(p is m.model.kv_retention.weight for p in g["params"])
+    ]
+    assert len(pol) == 1 and {id(p) for p in pol[0]["params"]} == {
+        id(m.model.kv_retention.weight),
+        id(m.model.kv_retention.bias),
+    }  # its own group: lr_scale x train.lr, no decay towards the zero init
+    assert pol[0]["weight_decay"] == 0.0
+    assert pol[0]["initial_lr"] == pytest.approx(30.0 * m.config.train.lr)
     assert m.compressor.retention is m.model.kv_retention
     with torch.no_grad():
         m.model.kv_retention.weight.normal_()
@@ -134,13 +141,16 @@ def test_lm_loss_gradients_reach_the_retention_logits_and_the_model(relaxation: 
 
 
 def test_gumbel_training_segment_weights_every_context_token_softly() -> None:
+    torch.manual_seed(0)  # the gate's noise
     policy = RetentionPolicy(4, 2, 16).train()
     inp = make_input(H=2, D=16, requires_grad=True)
     seg = UniCacheCompressor(retention_cfg(bits=None), retention=policy)(inp)
     ctx = inp.context_mask
     assert torch.equal(seg.valid, ctx)  # nothing removed in the relaxed forward
     c = seg.counts[ctx]
-    assert (c > 0).all() and (c < 1).all() and c.requires_grad
+    # sigmoid of a sink's logit (+4 / 0.5 + noise) may round to 1.0 in fp32
+    assert (c > 0).all() and (c <= 1).all() and float((c < 0.5).float().mean()) > 0.3
+    assert c.requires_grad
     assert float(seg.stats["relaxed"]) == 1.0 and float(seg.stats["rate_realized"]) == 0.0
     policy.eval()  # inference: the hard selection at the target rate, counts 1
     hard = UniCacheCompressor(retention_cfg(bits=None), retention=policy)(inp)

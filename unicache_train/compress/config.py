@@ -396,6 +396,10 @@ class SelectionConfig(ConfigBase):
         temperature: the gate's temperature (smaller: closer to the hard selection).
         budget_weight: weight of the budget term ``(soft kept fraction - kept fraction of the
             byte target)^2`` added to the training objective.
+        lr_scale: the policy's learning rate as a multiple of ``train.lr`` (its own AdamW
+            group, no weight decay). Measured on the tiny needle study
+            (experiments/retention_relaxation): at 1x (lr 1e-3) 150 steps leave the policy at
+            its prior, at 30x it learns to keep the needle.
     """
 
     method: str = "unicache"
@@ -407,6 +411,7 @@ class SelectionConfig(ConfigBase):
     relaxation: str = "gumbel_sigmoid"
     temperature: float = 0.5
     budget_weight: float = 1.0
+    lr_scale: float = 30.0
 
     def __post_init__(self) -> None:
         check_choice(self, "method", SELECTION_METHODS)
@@ -423,6 +428,7 @@ class SelectionConfig(ConfigBase):
         check_choice(self, "relaxation", RETENTION_RELAXATIONS)
         check_range(self, "temperature", 0.0, 10.0, lo_open=True)
         check_range(self, "budget_weight", 0.0, 1000.0)
+        check_range(self, "lr_scale", 0.0, 1000.0)
 
 
 @dataclass

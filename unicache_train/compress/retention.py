@@ -25,10 +25,11 @@ the kept fraction to the target. Ours is the same idea behind the UniCache seam:
     ``log(alpha_t)`` to the token's logit (a segment entry's ``count``: a token kept at
     ``alpha`` stands for ``alpha`` of itself), so the loss reaches ``z`` and the model through
     every token, evicted or not. The forward differs from inference (soft vs hard).
-  - ``"st_topk"``: the hard selection of inference (the forward is inference's, bytes
-    included), each kept entry's count ``1 + alpha_t - sg(alpha_t)`` with
+  - ``"st_topk"``: a hard selection at the byte target (the forward stores inference's
+    bytes), ranked by ``z_t + tau * g_t`` (Gumbel top-k: the noise keeps an evicted token now
+    and then), each kept entry's count ``1 + alpha_t - sg(alpha_t)`` with
     ``alpha_t = sigmoid(z_t / tau)``: a straight-through gate, so the loss reaches the logits
-    of the kept tokens only (an evicted token learns only from the budget term).
+    of the kept tokens only (a token never sampled learns only from the budget term).
 
   Both add the **budget term** ``budget_weight * mean_b (soft_kept_b - kept_b)^2`` to the
   objective (the ``aux_loss`` stat, which :func:`unicache_train.inloop.inloop_loss` adds), where
@@ -250,12 +251,24 @@ class RetentionScore(SelectionConfig):
             )
         z = retention_logits(state, self.policy, self)
         mask = state.context_mask
-        rank = grouped_rank(z.detach(), torch.zeros_like(state.modality_ids), mask, 1).float()
+        key = z.detach()
+        if self.relaxation == "st_topk" and self.policy.training and torch.is_grad_enabled():
+            # Gumbel top-k: the training selection samples around the ranking, so a token the
+            # policy evicts is kept now and then and its gate learns whether it helps (without
+            # the noise an evicted token never gets a task gradient).
+            key = key + self.temperature * _logistic_like(key)
+        rank = grouped_rank(key, torch.zeros_like(state.modality_ids), mask, 1).float()
         n = mask.sum(1, keepdim=True).float()
         pct = rank / (n - 1).clamp_min(1.0)
         state.scores = torch.where(mask, pct, torch.zeros_like(pct))
         state.logits = z
         return state
+
+
+def _logistic_like(x: torch.Tensor) -> torch.Tensor:
+    """Standard logistic noise (the difference of two Gumbels) of ``x``'s shape."""
+    u = torch.rand_like(x).clamp(1e-6, 1.0 - 1e-6)
+    return torch.log(u) - torch.log1p(-u)
 
 
 def _entry_tokens(kept: torch.Tensor, M: int) -> torch.Tensor:
@@ -289,8 +302,7 @@ class RetentionGate(SelectionConfig):
             return state
         tau = self.temperature
         if self.relaxation == "gumbel_sigmoid":
-            u = torch.rand_like(z).clamp(1e-6, 1.0 - 1e-6)
-            alpha = torch.sigmoid((z + torch.log(u) - torch.log1p(-u)) / tau)  # [B, T]
+            alpha = torch.sigmoid((z + _logistic_like(z)) / tau)  # [B, T]
             # Every context token, weighted by its gate (attention adds log(alpha)).
             seg = identity_segment(state.inp, state.keys, state.values,
                                    head_groups=state.head_groups, with_assignment=True)  # fmt: skip

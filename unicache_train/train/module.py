@@ -279,9 +279,12 @@ class LMModule(L.LightningModule):
     # ---------------------------------------------------------------------------- optimiser
     def configure_optimizers(self) -> dict[str, Any]:
         tc = self.config.train
-        decay, no_decay = [], []
+        decay, no_decay, retention = [], [], []
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
+                continue
+            if name.startswith("kv_retention."):  # a learned selection's policy: its own group
+                retention.append(p)
                 continue
             # Matrices decay; gains, biases, embeddings and hyper-connection coefficients do not.
             is_hc = "_hc." in name or name.startswith("hc_head.")
@@ -293,6 +296,9 @@ class LMModule(L.LightningModule):
             {"params": decay, "weight_decay": tc.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
+        if retention:  # lr relative to train.lr (SelectionConfig.lr_scale), no decay to 0
+            scale = self.config.compress.unicache.selection.lr_scale
+            groups.append({"params": retention, "weight_decay": 0.0, "lr": tc.lr * scale})
         opt = torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2))
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: warmup_cosine(s, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
