@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from unicache_train.checkpoint import load_checkpoint
+from unicache_train.checkpoint.integrity import write_manifest
 from unicache_train.checkpoint.zero import (
     find_resume_checkpoint,
     is_zero_checkpoint,
@@ -125,6 +126,7 @@ def test_world_size_change_on_resume_warns(tmp_path):
     ckpt["world_size"] = 2  # as if 2 ranks had written it (the same per-rank batch)
     ckpt["global_batch"] = 4
     torch.save(ckpt, last)
+    write_manifest(last)  # a deliberate edit, not corruption (which resume would skip)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = fit(RunConfig.from_dict(apply_overrides({}, [*args, "train.max_steps=3"])))

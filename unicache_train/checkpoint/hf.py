@@ -71,7 +71,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from unicache_train.checkpoint import serving
-from unicache_train.checkpoint.integrity import write_manifest
+from unicache_train.checkpoint.integrity import verify, write_manifest
 from unicache_train.checkpoint.policy import (  # noqa: F401  (re-exported)
     COMPRESSION_CONFIG,
     COMPRESSION_SCHEMA_VERSION,
@@ -809,6 +809,7 @@ def import_hf(
         from unicache_train.checkpoint.gguf import converted_dir
 
         path = converted_dir(path)  # dequantized once into the cache, then read as HF
+    verify(path)  # an export's checksum manifest, when it has one
     try:
         config, family = from_hf_config(_read_config(path))
     except HFCheckpointError as err:  # name the directory: "config.json x=..." -> "DIR/config..."

@@ -192,12 +192,12 @@ def verify(target: str | Path) -> bool:
         if size != want["size"]:
             raise IntegrityError(
                 f"{path}: {size} bytes, but {file} records {want['size']} (truncated or "
-                "changed after it was written)"
+                f"changed after it was written; if you changed it on purpose, delete {file.name})"
             )
         if sha256_file(path) != want["sha256"]:
             raise IntegrityError(
                 f"{path}: its SHA-256 differs from the one in {file} (the file was changed "
-                "after it was written)"
+                f"after it was written; if you changed it on purpose, delete {file.name})"
             )
     return True
 

@@ -209,12 +209,14 @@ def fit_vlm(config: VLMRunConfig, callbacks: list[L.Callback] | None = None) -> 
         apply_launcher_env,
         build_trainer,
         finish_wandb,
+        preflight,
         resolve_resume,
     )
     from unicache_train.train.strategies import parallelize_model
 
     config = apply_launcher_env(config)  # type: ignore[arg-type]
     L.seed_everything(config.train.seed, workers=True, verbose=False)
+    preflight(config)  # type: ignore[arg-type]
     ckpt_path = resolve_resume(config)  # type: ignore[arg-type]
     vc = config.vision
     datamodule = MultimodalDataModule(config.data, vc.image_size, vc.num_patches)
