@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from test_compress import METHODS, Recorder, _check_state
+from test_compress import METHODS, Recorder, _check_state, _compressor
 
 from unicache_train.compress import UniCacheCompressor, UniCacheConfig, presets
 from unicache_train.compress.budget import pooled_rates
@@ -80,7 +80,9 @@ def test_matrix_multimodal_seam(method: str) -> None:
     model = tiny_vlm()
     emb, mod, split = multimodal_batch(model)
     cfg = METHODS[method]()
-    rec = Recorder(UniCacheCompressor(cfg))
+    mc = model.config
+    rec = Recorder(_compressor(method, cfg, mc.num_key_value_heads, mc.head_size,
+                               mc.num_hidden_layers))  # fmt: skip
     out = model(inputs_embeds=emb, modality_ids=mod, split=split, compressor=rec)
     assert len(rec.calls) == model.config.num_hidden_layers
     for inp, seg, state in rec.calls:
