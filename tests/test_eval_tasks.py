@@ -247,7 +247,8 @@ def test_results_round_trip_through_csv_and_render(tmp_path):
     assert (tmp_path / "results.csv").read_text().startswith("# command: x\n")
     assert read_results(tmp_path / "results.csv") == rows
     md = (tmp_path / "results.md").read_text()
-    assert "| base | unicache | 4.04x | recall8 | 0.10 ± 0.05 (n=32) | 12.00 (+20.0%) |" in md
+    # recall 0.10 of 32 = 3 hits: Wilson [0.033, 0.243] (not "± se", which reads 0.00 at 0/n)
+    assert "| base | unicache | 4.04x | recall8 | 0.10 [0.03, 0.24] (n=32) | 12.00 (+20.0%) |" in md
     assert (tmp_path / "results.png").stat().st_size > 0
 
 

@@ -244,9 +244,20 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _recall_cell(recall: float, n: float) -> str:
+    """``0.84 [0.70, 0.92] (n=32)``: the accuracy with its 95% Wilson interval (honest at 0/n,
+    where a binomial standard error reads 0.00)."""
+    from unicache_train.eval.stats import wilson_interval
+
+    if not n >= 1 or math.isnan(recall):
+        return "not measured"
+    lo, hi = wilson_interval(round(recall * n), int(n))
+    return f"{recall:.2f} [{lo:.2f}, {hi:.2f}] (n={int(n)})"
+
+
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| model | method | KV bytes reduction (measured) | task | recall ± se | ppl (Δ) |",
+        "| model | method | KV bytes reduction (measured) | task | recall [95% Wilson] | ppl (Δ) |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -256,7 +267,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         )  # fmt: skip
         lines.append(
             f"| {r['model']} | {r['method']} | {r['kv_reduction']:.2f}x | {r['task']} | "
-            f"{r['recall']:.2f} ± {r['recall_se']:.2f} (n={int(r['n'])}) | {ppl} |"
+            f"{_recall_cell(r['recall'], r['n'])} | {ppl} |"
         )
     return "\n".join(lines) + "\n"
 
