@@ -1,0 +1,212 @@
+"""Tables and paired tests of the SmolLM2 evidence re-measure, from the raw per-prompt files.
+
+Accuracies carry 95% Wilson intervals; differences between two models (or two settings) on the
+same prompts carry the exact McNemar p; perplexity changes carry a 95% paired bootstrap interval
+over the same blocks (:mod:`unicache_train.eval.stats`). Pooled tests concatenate the pairs of
+both training seeds (control seed k vs compress seed k).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from unicache_train.eval.stats import (
+    format_p,
+    mcnemar_exact,
+    paired_bootstrap_ppl,
+    wilson_interval,
+)
+
+SETTING_TITLE = {
+    "none": "uncompressed",
+    "unicache_int8_4x": "UniCache int8 4x",
+    "unicache_int4_4x": "UniCache int4 4x",
+    "unicache_int4_8x": "UniCache int4 8x",
+    "int4_plain": "plain int4 (no eviction)",
+}
+
+
+def _read(path: Path) -> tuple[list[dict], dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    meta_path = path.with_suffix(".meta.json")
+    return rows, (json.loads(meta_path.read_text()) if meta_path.is_file() else {})
+
+
+def load(raw: Path) -> dict[tuple[str, str, str], tuple[list[dict], dict]]:
+    """``{(model, task, setting): (rows, meta)}`` of every finished cell."""
+    out = {}
+    for path in sorted(raw.glob("*/*.jsonl")):
+        task, _, setting = path.stem.partition("__")
+        out[(path.parent.name, task, setting)] = _read(path)
+    return out
+
+
+def _models(cells) -> list[str]:
+    names = {m for m, _, _ in cells}
+    key = {n: (1 if n.startswith("control") else 2, n) for n in names if n != "base"}
+    key["base"] = (0, "")
+    return sorted(names, key=lambda n: key.get(n, (3, n)))
+
+
+def _acc_cell(rows: list[dict], meta: dict) -> str:
+    hits, n = sum(r["correct"] for r in rows), len(rows)
+    lo, hi = wilson_interval(hits, n)
+    red = meta.get("kv_reduction")
+    tail = f" · {red:.2f}x" if red and red == red and abs(red - 1) > 1e-6 else ""
+    return f"{hits / n:.2f} [{lo:.2f}, {hi:.2f}]{tail}"
+
+
+def _correct(rows: list[dict]) -> dict[str, bool]:
+    return {r["id"]: bool(r["correct"]) for r in rows}
+
+
+def _paired(a_rows, b_rows) -> tuple[list[bool], list[bool]]:
+    a, b = _correct(a_rows), _correct(b_rows)
+    ids = [i for i in a if i in b]
+    return [a[i] for i in ids], [b[i] for i in ids]
+
+
+def _mcnemar_line(label: str, a: list[bool], b: list[bool]) -> str:
+    t = mcnemar_exact(a, b)
+    return (f"| {label} | {t.n} | {t.a_hits / t.n:.3f} | {t.b_hits / t.n:.3f} | "
+            f"{100 * t.difference:+.1f} | {t.only_a} / {t.only_b} | {format_p(t.p_value)} |")  # fmt: skip
+
+
+def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
+    cells = load(raw)
+    models = _models(cells)
+    settings = list(cfg["settings"])
+    md: list[str] = []
+    csv_rows: list[dict] = []
+
+    # ---- accuracy tables, one per task
+    for task in cfg["tasks"]:
+        present = [s for s in settings if any((m, task, s) in cells for m in models)]
+        if not present:
+            continue
+        md += [f"### {task}: accuracy [95% Wilson interval] · measured KV-bytes reduction", "",
+               "| model | " + " | ".join(SETTING_TITLE.get(s, s) for s in present) + " |",
+               "|---" * (len(present) + 1) + "|"]  # fmt: skip
+        for m in models:
+            line = [m]
+            for s in present:
+                if (m, task, s) in cells:
+                    rows, meta = cells[(m, task, s)]
+                    line.append(f"{_acc_cell(rows, meta)} (n={len(rows)})")
+                    hits = sum(r["correct"] for r in rows)
+                    lo, hi = wilson_interval(hits, len(rows))
+                    csv_rows.append({"model": m, "task": task, "setting": s, "n": len(rows),
+                                     "hits": hits, "accuracy": hits / len(rows), "lo": lo,
+                                     "hi": hi, "kv_reduction": meta.get("kv_reduction"),
+                                     "weights_sha256": meta.get("weights_sha256")})  # fmt: skip
+                else:
+                    line.append("not run")
+            md.append("| " + " | ".join(line) + " |")
+        md.append("")
+
+    # ---- perplexity: each model's change vs its own uncompressed run
+    present = [s for s in settings if any((m, "ppl", s) in cells for m in models)]
+    if present:
+        md += ["### held-out perplexity (King James Bible, by source): ppl, change vs the same "
+               "model uncompressed [95% paired bootstrap]", "",
+               "| model | " + " | ".join(SETTING_TITLE.get(s, s) for s in present) + " |",
+               "|---" * (len(present) + 1) + "|"]  # fmt: skip
+        for m in models:
+            line = [m]
+            ref = cells.get((m, "ppl", "none"))
+            for s in present:
+                if (m, "ppl", s) not in cells:
+                    line.append("not run")
+                    continue
+                rows, _ = cells[(m, "ppl", s)]
+                if s == "none" or ref is None:
+                    ppl = paired_bootstrap_ppl([r["nll"] for r in rows], [r["nll"] for r in rows],
+                                               [r["tokens"] for r in rows]).ppl_a  # fmt: skip
+                    line.append(f"{ppl:.2f}")
+                    csv_rows.append({"model": m, "task": "ppl", "setting": s, "n": len(rows),
+                                     "ppl": ppl})  # fmt: skip
+                    continue
+                r = paired_bootstrap_ppl([x["nll"] for x in ref[0]], [x["nll"] for x in rows],
+                                         [x["tokens"] for x in rows])  # fmt: skip
+                line.append(f"{r.ppl_b:.2f} ({100 * r.change:+.1f}% [{100 * r.lo:+.1f}, "
+                            f"{100 * r.hi:+.1f}])")  # fmt: skip
+                csv_rows.append({"model": m, "task": "ppl", "setting": s, "n": len(rows),
+                                 "ppl": r.ppl_b, "ppl_change": r.change, "lo": r.lo,
+                                 "hi": r.hi})  # fmt: skip
+            md.append("| " + " | ".join(line) + " |")
+        md.append("")
+
+    # ---- paired tests: compress vs control (per seed, pooled), each vs base
+    seeds = sorted({m.split("_seed")[1] for m in models if "_seed" in m})
+    md += ["### paired tests (exact McNemar, same prompts): A vs B, difference = B - A", "",
+           "| task · setting: A vs B | pairs | acc A | acc B | B - A (points) | only A / only B "
+           "| p |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for task in cfg["tasks"]:
+        for s in settings:
+            pairs_all = ([], [])
+            for k in seeds:
+                a, b = (
+                    cells.get((f"control_seed{k}", task, s)),
+                    cells.get((f"compress_seed{k}", task, s)),
+                )
+                if a and b:
+                    x, y = _paired(a[0], b[0])
+                    md.append(
+                        _mcnemar_line(f"{task} · {s}: control_seed{k} vs compress_seed{k}", x, y)
+                    )
+                    pairs_all[0].extend(x)
+                    pairs_all[1].extend(y)
+            if len(seeds) > 1 and pairs_all[0] and len(pairs_all[0]) > len(x):
+                md.append(_mcnemar_line(f"**{task} · {s}: control vs compress, pooled seeds**",
+                                        *pairs_all))  # fmt: skip
+            base = cells.get(("base", task, s))
+            for m in models:
+                if m != "base" and base and (m, task, s) in cells:
+                    md.append(_mcnemar_line(f"{task} · {s}: base vs {m}",
+                                            *_paired(base[0], cells[(m, task, s)][0])))  # fmt: skip
+    # what compression costs each model: uncompressed vs compressed, same model and prompts
+    for task in cfg["tasks"]:
+        for m in models:
+            ref = cells.get((m, task, "none"))
+            for s in settings:
+                if s != "none" and ref and (m, task, s) in cells:
+                    md.append(_mcnemar_line(f"{task} · {m}: none vs {s}",
+                                            *_paired(ref[0], cells[(m, task, s)][0])))  # fmt: skip
+    md.append("")
+    # perplexity: compressed ppl of compress vs control on the same blocks
+    lines = []
+    for s in settings:
+        for k in seeds:
+            a, b = (
+                cells.get((f"control_seed{k}", "ppl", s)),
+                cells.get((f"compress_seed{k}", "ppl", s)),
+            )
+            if a and b:
+                r = paired_bootstrap_ppl([x["nll"] for x in a[0]], [x["nll"] for x in b[0]],
+                                         [x["tokens"] for x in a[0]])  # fmt: skip
+                lines.append(f"| {s}: control_seed{k} vs compress_seed{k} | {r.ppl_a:.2f} | "
+                             f"{r.ppl_b:.2f} | {100 * r.change:+.1f}% [{100 * r.lo:+.1f}, "
+                             f"{100 * r.hi:+.1f}] |")  # fmt: skip
+    if lines:
+        md += ["### perplexity, compress vs control under the same setting (95% paired bootstrap)",
+               "", "| setting: A vs B | ppl A | ppl B | B / A - 1 |", "|---|---|---|---|",
+               *lines, ""]  # fmt: skip
+
+    # ---- the weights every row ran on
+    md += ["### weights", "", "| model | path | sha256 (model.safetensors) |", "|---|---|---|"]
+    for m in models:
+        meta = next((v[1] for k, v in cells.items() if k[0] == m and v[1]), {})
+        md.append(f"| {m} | {meta.get('weights', '?')} | {meta.get('weights_sha256', '?')[:16]} |")
+    md.append("")
+    out_md = out_dir / "results.md"
+    out_md.write_text("\n".join(md))
+    keys = sorted({k for r in csv_rows for k in r}, key=lambda k: list(csv_rows[0]).index(k)
+                  if k in csv_rows[0] else 99)  # fmt: skip
+    with (out_dir / "results.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(csv_rows)
+    print(out_md.read_text())
+    return out_md
