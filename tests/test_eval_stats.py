@@ -167,3 +167,21 @@ def test_recall_rows_carry_id_answer_prediction_and_correct_to_jsonl(tmp_path):
     assert all(r["model"] == "base" and r["setting"] == "none" for r in rows)
     assert all(r["correct"] == (r["prediction"] == r["answer"]) for r in rows)
     assert sum(r["correct"] for r in rows) == res.hits
+
+
+@torch.no_grad()
+def test_prompts_written_for_another_harness_run_back_to_the_same_predictions(tmp_path):
+    from unicache_train.eval.prompts import PROMPT_FIELDS, read_prompts, write_prompts
+
+    model, tok = byte_model(), ByteTokenizer()
+    recs = recall_records(RecallTask(pairs=3, value_digits=2, style="sentence"), 4, 1_000_017)
+    back = read_prompts(write_prompts(recs, tmp_path / "prompts.jsonl"))
+    assert all(set(PROMPT_FIELDS) <= set(r) and r["trailing"] == "." for r in back)
+    assert [r["id"] for r in back] == [r["id"] for r in recs]
+    a = run_recall(model, tok, recs, IdentityCompressor())
+    b = run_recall(model, tok, back, IdentityCompressor())
+    assert a.predictions == b.predictions
+    with pytest.raises(ValueError, match="lacks \\['id'\\]"):
+        write_prompts([{k: v for k, v in recs[0].items() if k != "id"}], tmp_path / "x.jsonl")
+    with pytest.raises(ValueError, match="ids repeat"):
+        write_prompts([recs[0], recs[0]], tmp_path / "y.jsonl")
