@@ -482,6 +482,23 @@ def test_bad_export_is_one_line_and_runs_nothing(export_copy, marker, capsys, ca
     assert not marker.exists()
 
 
+def test_our_own_mhc_remote_code_serves_without_trust_remote_code(tmp_path, capsys):
+    """The allow path: an mHC export's auto_map and code files are ours, byte for byte."""
+    from unicache_train.checkpoint.hf import export_hf
+    from unicache_train.checkpoint.trust import check_export_dir
+    from unicache_train.model import Decoder
+    from unicache_train.model.config import ModelConfig
+
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=2, num_key_value_heads=1,
+                                residual_mode="mhc", hc_mult=2))  # fmt: skip
+    out = export_hf(model, tmp_path / "mhc", tokenizer_from="byte")
+    assert check_export_dir(out) is True  # remote code, allowed because it is ours
+    main(["generate", "--export", str(out), "--prompt", "hi", "--max_new_tokens", "2"])
+    assert "tokens/s" in capsys.readouterr().err
+
+
 def test_our_own_export_still_serves(export, capsys):
     main(["generate", "--export", str(export), "--prompt", "hi", "--max_new_tokens", "2"])
     assert "tokens/s" in capsys.readouterr().err
