@@ -74,6 +74,46 @@ def _mcnemar_line(label: str, a: list[bool], b: list[bool]) -> str:
             f"{100 * t.difference:+.1f} | {t.only_a} / {t.only_b} | {format_p(t.p_value)} |")  # fmt: skip
 
 
+def kvpress_section(out_dir: Path, cells) -> list[str]:
+    """The kvpress anchors (``kvpress_<model>.csv`` + per-prompt ``.jsonl``, written by the
+    kvpress harness in its own environment on our prompt files), each row with its Wilson
+    interval and, where we ran the same model, an exact McNemar test against our UniCache int4
+    row at the same target reduction (and whether the weights' sha256 match)."""
+    ours = {4.0: "unicache_int4_4x", 8.0: "unicache_int4_8x"}
+    md: list[str] = []
+    for path in sorted(out_dir.glob("kvpress_*.csv")):
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+        if not rows:
+            continue
+        if not md:
+            md += ["### kvpress anchors (same prompts; bytes counted with our accounting)", "",
+                   "| model | press | storage | KV-bytes reduction | accuracy [95% Wilson] | "
+                   "vs ours (UniCache int4, same target): ours - anchor, only anchor / only "
+                   "ours, p | same weights |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            hits, n = int(r["hits"]), int(r["n"])
+            lo, hi = wilson_interval(hits, n)
+            test, same = "", ""
+            target = float(r["target_reduction"]) if r.get("target_reduction") else None
+            mine = cells.get((r["model"], r["task"], ours.get(target, "")))
+            if r.get("press") == "none":  # no press: 16 bits = our uncompressed, int4 = plain
+                plain = {"16bit": "none", "int4": "int4_plain"}.get(r.get("storage", ""))
+                mine = cells.get((r["model"], r["task"], plain or ""))
+            pred = out_dir / r.get("predictions", "")
+            if mine and pred.is_file():
+                theirs = [json.loads(x) for x in pred.read_text().splitlines() if x.strip()]
+                a, b = _paired(theirs, mine[0])
+                t = mcnemar_exact(a, b)
+                test = (f"{100 * t.difference:+.1f} pts, {t.only_a} / {t.only_b}, "
+                        f"{format_p(t.p_value)}")  # fmt: skip
+                same = "yes" if mine[1].get("weights_sha256") == r.get("weights_sha256") else "NO"
+            md.append(f"| {r['model']} | {r['press']} | {r['storage']} | "
+                      f"{float(r['kv_reduction']):.2f}x | {hits / n:.2f} [{lo:.2f}, {hi:.2f}] "
+                      f"(n={n}) | {test} | {same} |")  # fmt: skip
+    return md + ([""] if md else [])
+
+
 def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
     cells = load(raw)
     models = _models(cells)
@@ -193,6 +233,8 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
         md += ["### perplexity, compress vs control under the same setting (95% paired bootstrap)",
                "", "| setting: A vs B | ppl A | ppl B | B / A - 1 |", "|---|---|---|---|",
                *lines, ""]  # fmt: skip
+
+    md += kvpress_section(out_dir, cells)
 
     # ---- the weights every row ran on
     md += ["### weights", "", "| model | path | sha256 (model.safetensors) |", "|---|---|---|"]
