@@ -24,6 +24,18 @@ summary table is printed at the end):
                          tokens: fwd+bwd time and peak memory
                          (``torch.cuda.max_memory_allocated``). The dry run checks the flex path's
                          forward only (no CPU backward in torch) and records it as skipped.
+6. ``gpu_serving.csv``   compressed serving. ``kernel`` rows: one decode step's attention at 8k
+                         and 32k contexts, batch 1 and 16, a Llama-3-8B attention shape (32
+                         query heads, 8 KV heads, head dim 128, bf16): SDPA (FlashAttention
+                         backend where it takes the call) over a plain 16-bit cache vs our Triton
+                         kernel over the same context stored UniCache-int4 (packed, per
+                         token-head scales, 6% of entries merged away: the 4x policy) vs the
+                         reference (dequantize, then SDPA). ``generate`` rows: stock
+                         ``generate()`` tokens/s on SmolLM2-135M with an 8k prompt (its context
+                         limit), batch 1 and 16, DynamicCache vs ``CompressedCache`` with the
+                         packed path (``benchmarks/bench_serving.py export-base``'s policy).
+                         The dry run: 64-entry contexts, the kernel under the interpreter, a
+                         tiny random Llama export with the same policy.
 
 Conventions (benchmarks/bench_common.py, benchmarks/bench_sinkhorn.py): every ratio is against a
 baseline timed in the same run; the cases of one setting are timed round-robin (one repeat of each
@@ -70,7 +82,7 @@ import torch
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
 RESULTS_DIR = SCRIPTS / "results"
-SECTIONS = ("tests", "sinkhorn", "mhc", "compress", "seam")
+SECTIONS = ("tests", "sinkhorn", "mhc", "compress", "seam", "serving")
 
 # Columns of each CSV (after ``status`` and before ``error``); the test checks them.
 COLUMNS = {
@@ -83,6 +95,8 @@ COLUMNS = {
     "rate_realized kv_reduction note".split(),
     "seam": "tokens batch_size heads kv_heads head_dim segment_entries dtype case median_ms min_ms "
     "ratio_vs_plain peak_mib peak_ratio_vs_plain note".split(),
+    "serving": "kind context batch_size heads kv_heads head_dim dtype case median_ms min_ms "
+    "ratio_vs_plain tokens_per_s kv_mib note".split(),
 }
 # The ratio columns that must be finite on an ``ok`` row.
 RATIO_COLUMNS = {
@@ -90,6 +104,7 @@ RATIO_COLUMNS = {
     "mhc": ["ratio_vs_plain"],
     "compress": ["ratio_vs_plain"],
     "seam": ["ratio_vs_plain"],
+    "serving": ["ratio_vs_plain"],
 }
 
 
@@ -108,6 +123,11 @@ class Sizes:
     compress_batches: int
     seam_tokens: Sequence[int]
     seam_batch: int
+    serving_contexts: Sequence[int]
+    serving_batches: Sequence[int]
+    serving_shape: tuple[int, int, int]  # (query heads, KV heads, head dim) of the kernel rows
+    serving_prompt: int  # generate rows: prompt tokens
+    serving_new_tokens: int
     warmup: int
     repeats: int
     inner: int  # steps per timed repeat (amortises launch latency on GPU)
@@ -125,6 +145,11 @@ GPU_SIZES = Sizes(
     compress_batches=4,
     seam_tokens=(2048, 8192),
     seam_batch=2,
+    serving_contexts=(8192, 32768),
+    serving_batches=(1, 16),
+    serving_shape=(32, 8, 128),
+    serving_prompt=8000,
+    serving_new_tokens=32,
     warmup=2,
     repeats=7,
     inner=5,
@@ -141,6 +166,11 @@ DRY_SIZES = Sizes(
     compress_batches=1,
     seam_tokens=(64,),
     seam_batch=2,
+    serving_contexts=(64,),
+    serving_batches=(1, 2),
+    serving_shape=(4, 2, 16),
+    serving_prompt=48,
+    serving_new_tokens=3,
     warmup=1,
     repeats=1,
     inner=1,
@@ -753,6 +783,181 @@ def _seam_setting(ctx: SimpleNamespace, T: int) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------
+# 6. compressed serving: the packed decode kernel and stock generate()
+# --------------------------------------------------------------------------------------------
+
+
+def section_serving(ctx: SimpleNamespace) -> list[dict]:
+    rows = []
+    for T in ctx.sizes.serving_contexts:
+        for B in ctx.sizes.serving_batches:
+            rows += _serving_kernel(ctx, T, B)
+    return rows + _serving_generate(ctx)
+
+
+def _packed_context(B: int, Hk: int, T: int, D: int, dev: torch.device, dtype: torch.dtype):
+    """A ``T``-token context as the 4x int4 policy stores it: 94% of the entries kept (the
+    rest merged away: counts 2 on every 16th entry), int4 with per token-head fp16 scales."""
+    from unicache_train.compress.quantize import quantize_symmetric
+    from unicache_train.seam import QuantizedKV, pack_int4
+
+    gen = torch.Generator().manual_seed(T + B)
+    M = T - T // 16
+    k = torch.randn(B, Hk, M, D, generator=gen)
+    v = torch.randn(B, Hk, M, D, generator=gen)
+    valid = torch.ones(B, M, dtype=torch.bool)
+    counts = torch.ones(B, M)
+    counts[:, ::16] = 2.0
+    _, kq, ks = quantize_symmetric(k, valid, 4)
+    _, vq, vs = quantize_symmetric(v, valid, 4)
+    quant = QuantizedKV(4, "token_head", pack_int4(kq).to(dev), pack_int4(vq).to(dev),
+                        ks.to(dev), vs.to(dev), D)  # fmt: skip
+    head_map = torch.arange(Hk, device=dev).expand(B, Hk).contiguous()
+    return quant, head_map, counts.to(dev), valid.to(dev)
+
+
+def _serving_kernel(ctx: SimpleNamespace, T: int, B: int) -> list[dict]:
+    """One decode step's attention: plain-cache SDPA vs the packed kernel vs the reference."""
+    import torch.nn.functional as F
+
+    from unicache_train.ops.decode_attention import (
+        decode_attention,
+        decode_attention_reference,
+        segment_bias,
+    )
+
+    s, dev = ctx.sizes, ctx.device
+    H, Hk, D = s.serving_shape
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H, 1, D, generator=gen).to(dev, dtype)
+    k_plain = torch.randn(B, Hk, T, D, generator=gen).to(dev, dtype)
+    v_plain = torch.randn(B, Hk, T, D, generator=gen).to(dev, dtype)
+    quant, head_map, counts, valid = _packed_context(B, Hk, T, D, dev, dtype)
+    S = 16  # decoded tokens already held (16-bit)
+    k_dec = torch.randn(B, Hk, S, D, generator=gen).to(dev, dtype)
+    v_dec = torch.randn(B, Hk, S, D, generator=gen).to(dev, dtype)
+    bias = segment_bias(counts, valid)
+    # NOTE: the dry run is on CPU, where backend="triton" refuses: it calls the launcher
+    # directly under the interpreter (TRITON_INTERPRET=1 set by main()).
+    if dev.type == "cuda":
+
+        def packed() -> torch.Tensor:
+            return decode_attention(q, quant, head_map, counts, valid, k_dec, v_dec,
+                                    backend="triton", bias=bias)  # fmt: skip
+    else:
+        from unicache_train.kernels.decode_attention import decode_attention_triton
+
+        def packed() -> torch.Tensor:
+            return decode_attention_triton(q, quant, head_map, counts, valid, k_dec, v_dec,
+                                           bias=bias, split_size=32)  # fmt: skip
+
+    def reference() -> torch.Tensor:
+        return decode_attention_reference(q, quant, head_map, counts, valid, k_dec, v_dec)
+
+    def plain() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k_plain, v_plain, enable_gqa=True)
+
+    with torch.no_grad():
+        diff = (packed().float() - reference().float()).abs().max().item()
+    plain_mib = 2 * k_plain.numel() * 2 / 2**20  # a 16-bit cache
+    stored = (quant.k_data, quant.v_data, quant.k_scale, quant.v_scale)
+    packed_mib = sum(t.numel() * t.element_size() for t in stored) / 2**20
+    cases = [
+        Timed("plain_sdpa", plain, note="SDPA over a plain 16-bit cache"),
+        Timed("packed_triton", packed, note=f"max|kernel - reference| = {diff:.1e}"),
+        Timed("reference", reference, note="dequantize + SDPA"),
+    ]
+    print(f"  serving kernel T={T} B={B}", flush=True)
+    with torch.no_grad():
+        time_cases(cases, dev, s.warmup, s.repeats, s.inner)
+    head = {"kind": "kernel", "context": str(T), "batch_size": str(B), "heads": str(H),
+            "kv_heads": str(Hk), "head_dim": str(D),
+            "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+    rows = []
+    for c in cases:
+        row = {**head, "case": c.name, "note": c.note,
+               "kv_mib": _fmt(plain_mib if c.name == "plain_sdpa" else packed_mib, 4),
+               **_timing_row(c, cases[0], "ratio_vs_plain")}  # fmt: skip
+        if c.name == "packed_triton" and row["status"] == "ok" and not diff <= 2e-2:
+            row.update(status="error", error=f"kernel differs from the reference: {diff}")
+        rows.append(row)
+    return rows
+
+
+def _serving_generate(ctx: SimpleNamespace) -> list[dict]:
+    """Stock generate() tokens/s, DynamicCache vs CompressedCache (packed), batch 1 and 16."""
+    from bench_serving import SMOLLM2, export_base, prompt_ids
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    from unicache_train.transformers_cache import (
+        ATTN_IMPLEMENTATION,
+        CACHE_ARGUMENT,
+        CompressedCache,
+    )
+
+    s, dev = ctx.sizes, ctx.device
+    work = Path(tempfile.mkdtemp(prefix="gpu_serving_"))
+    if ctx.dry_run:  # a tiny random Llama (SmolLM2's tokenizer when fetched is not needed)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256)  # fmt: skip
+        src = work / "tiny"
+        LlamaForCausalLM(cfg).save_pretrained(src)
+        tok = None
+    else:
+        src = SMOLLM2
+        if not (src / "config.json").is_file():
+            raise Skip(f"{src} is not fetched (make fetch)")
+        tok = AutoTokenizer.from_pretrained(src)
+    export = export_base(work / "export", src)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    models = {
+        name: AutoModelForCausalLM.from_pretrained(export, attn_implementation=attn,
+                                                   dtype=dtype).to(dev).eval()
+        for name, attn in (("plain", "sdpa"), ("compressed", ATTN_IMPLEMENTATION))
+    }  # fmt: skip
+    rows = []
+    for B in s.serving_batches:
+        if tok is None:
+            ids = torch.randint(3, 120, (B, s.serving_prompt), generator=torch.Generator())
+        else:
+            ids = prompt_ids(tok, s.serving_prompt, B)
+        ids = ids.to(dev)
+
+        def gen(name: str, ids: torch.Tensor = ids) -> Callable[[], None]:
+            def step() -> None:
+                cache = DynamicCache() if name == "plain" else CompressedCache.from_pretrained(
+                    export, decode_path="packed")  # fmt: skip
+                with torch.no_grad():
+                    models[name].generate(ids, attention_mask=torch.ones_like(ids),
+                                          **{CACHE_ARGUMENT: cache},
+                                          max_new_tokens=s.serving_new_tokens,
+                                          min_new_tokens=s.serving_new_tokens, do_sample=False,
+                                          pad_token_id=0)  # fmt: skip
+
+            return step
+
+        cases = [Timed("plain_dynamic_cache", gen("plain")),
+                 Timed("compressed_packed", gen("compressed"))]  # fmt: skip
+        print(f"  serving generate P={s.serving_prompt} B={B}", flush=True)
+        time_cases(cases, dev, min(s.warmup, 1), max(s.repeats // 2, 1), 1)
+        head = {"kind": "generate", "context": str(s.serving_prompt), "batch_size": str(B),
+                "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+        for c in cases:
+            note = f"prefill + {s.serving_new_tokens} new tokens per generate()"
+            row = {**head, "case": c.name, **_timing_row(c, cases[0], "ratio_vs_plain"),
+                   "note": note}  # fmt: skip
+            if row["status"] == "ok":
+                row["tokens_per_s"] = _fmt(B * s.serving_new_tokens / (c.median / 1e3), 1)
+            rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
 # driver
 # --------------------------------------------------------------------------------------------
 
@@ -762,6 +967,7 @@ RUNNERS = {
     "mhc": section_mhc,
     "compress": section_compress,
     "seam": section_seam,
+    "serving": section_serving,
 }
 
 
@@ -869,7 +1075,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # NOTE: before anything imports triton (its tl.* are jitted at import): the Triton
         # Sinkhorn kernel then runs under the interpreter on CPU.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.path.insert(0, str(SCRIPTS))  # bench_common, bench_mhc_overhead, bench_compress_overhead
+    # bench_common, bench_mhc_overhead, bench_compress_overhead, bench_serving
+    sys.path.insert(0, str(REPO / "benchmarks"))
     device = torch.device("cpu" if args.dry_run else "cuda")
     ctx = SimpleNamespace(
         dry_run=args.dry_run,

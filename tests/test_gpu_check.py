@@ -85,6 +85,16 @@ def test_dry_run_writes_every_section(tmp_path):
     }
     flex = next(r for r in seam if r["case"] == "seam_flex")
     assert flex["status"] == "skipped" and "no CPU backward" in flex["note"]  # CUDA: timed
+    _, _, serving = _read(tmp_path / "gpu_serving.csv")
+    kernel = [r for r in serving if r["kind"] == "kernel"]
+    assert {r["case"] for r in kernel} == {"plain_sdpa", "packed_triton", "reference"}
+    assert {r["batch_size"] for r in kernel} == {"1", "2"}
+    for r in kernel:  # the Triton kernel ran under the interpreter and matched the reference
+        if r["case"] == "packed_triton":
+            assert r["status"] == "ok" and float(r["note"].split("= ")[1]) <= 1e-4, r
+    gen = [r for r in serving if r["kind"] == "generate"]
+    assert [r["case"] for r in gen] == ["plain_dynamic_cache", "compressed_packed"] * 2
+    assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 for r in gen), gen
 
 
 def test_dry_run_refuses_the_committed_results_dir():
