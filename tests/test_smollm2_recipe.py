@@ -110,7 +110,9 @@ def test_results_table_and_plot_take_kvpress_rows_and_several_tasks(tmp_path) ->
     ]  # fmt: skip
     write_results(rows, tmp_path, ["command: test"])
     md = (tmp_path / "results.md").read_text()
-    assert "| ft | kvpress:SnapKV | 4.00x | recall8 | 0.12 ± 0.06 (n=32) | not measured |" in md
+    # 4 of 32 with its 95% Wilson interval
+    want = "| ft | kvpress:SnapKV | 4.00x | recall8 | 0.12 [0.05, 0.28] (n=32) | not measured |"
+    assert want in md
     assert (tmp_path / "results.png").stat().st_size > 10_000
     back = read_results(tmp_path / "results.csv")
     assert [r["method"] for r in back] == [r["method"] for r in rows]
