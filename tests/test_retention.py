@@ -158,6 +158,21 @@ def test_gumbel_training_segment_weights_every_context_token_softly() -> None:
     assert float(hard.stats["rate_realized"]) > 0.55 and "relaxed" not in hard.stats
 
 
+def test_rate_zero_stays_the_plain_forward_and_keeps_the_policy_in_the_graph() -> None:
+    """A curriculum at rate 0: the loss is the plain model's exactly, and the policy still gets
+    a (zero) gradient, so DDP without find_unused_parameters does not fail on it."""
+    from unicache_train.model.loss import causal_lm_loss
+
+    m = module(loss_on="all", unicache={"rate_scale": 0.0, "quantize": {"bits": None}})
+    b = batch()
+    loss, _, per_layer = m.compressed_loss(b, step=0)
+    torch.testing.assert_close(loss, causal_lm_loss(m(b), b["labels"]), rtol=0, atol=0)
+    assert all(float(s["rate_realized"]) == 0.0 for s in per_layer)
+    loss.backward()
+    g = m.model.kv_retention.weight.grad
+    assert g is not None and float(g.abs().sum()) == 0.0
+
+
 # ------------------------------------------------------------------ the budget term
 @pytest.mark.parametrize("relaxation", ["gumbel_sigmoid", "st_topk"])
 def test_budget_term_drives_the_kept_fraction_to_the_target(relaxation: str) -> None:

@@ -192,6 +192,7 @@ class ComposedCompressor:
                 and state.values is state.inp.values
             )
             state.segment = seg
+        state.segment.stats.update(state.stats)  # the steps' own (a learned selection's)
         state.segment.stats.update(segment_stats(state, self.cache_dtype_bytes))
         self._check_shortfall(inp.layer_idx, state.segment.stats)
         return state

@@ -241,6 +241,7 @@ class RetentionScore(SelectionConfig):
     step needs scores in [0, 1]; ties keep token order)."""
 
     stage: ClassVar[int] = 2
+    runs_at_rate_zero: ClassVar[bool] = True  # see RetentionGate
     policy: RetentionPolicy | None = field(default=None, repr=False)
 
     def __call__(self, state: CompressionState) -> CompressionState:
@@ -282,23 +283,35 @@ def _entry_tokens(kept: torch.Tensor, M: int) -> torch.Tensor:
 @dataclass
 class RetentionGate(SelectionConfig):
     """Pipeline step after merge/evict: in training, the relaxation and the budget term (module
-    docstring); at inference, only the kept-fraction stats of the hard segment."""
+    docstring); at inference, only the kept-fraction stats of the hard segment. Its stats go to
+    ``state.stats`` (the composer adds them to the segment's).
+
+    It runs at rate 0 too (``runs_at_rate_zero``, as does :class:`RetentionScore`), where
+    nothing is selected: the segment is left alone (rate 0 stays the identity) and the budget
+    term is ``0 * sum(z)``, so the policy's parameters stay in the graph (DDP without
+    ``find_unused_parameters`` needs every parameter to get a gradient, also while a curriculum
+    holds the rate at 0)."""
 
     stage: ClassVar[int] = 6
+    runs_at_rate_zero: ClassVar[bool] = True
     policy: RetentionPolicy | None = field(default=None, repr=False)
 
     def __call__(self, state: CompressionState) -> CompressionState:
         z = state.logits
         if z is None:
             return state
+        training = self.policy is not None and self.policy.training and torch.is_grad_enabled()
+        if state.segment is None:  # nothing selected (rate 0, or merge/evict off): no change
+            state.stats["retention_kept"] = torch.ones((), device=z.device)
+            if training:
+                state.stats["aux_loss"] = 0.0 * z.sum()
+            return state
         mask = state.context_mask
         n = mask.sum(1).float().clamp_min(1.0)  # [B]
-        seg = state.segment if state.segment is not None else state.identity_segment()
+        seg = state.segment
         kept = seg.valid.sum(1).float() / n  # [B] the hard selection's kept fraction
-        training = self.policy is not None and self.policy.training and torch.is_grad_enabled()
         if not training:
-            seg.stats["retention_kept"] = kept.mean().detach()
-            state.segment = seg
+            state.stats["retention_kept"] = kept.mean().detach()
             return state
         tau = self.temperature
         if self.relaxation == "gumbel_sigmoid":
@@ -309,19 +322,18 @@ class RetentionGate(SelectionConfig):
             seg.counts = torch.where(mask, alpha, torch.ones_like(alpha)).to(seg.keys.dtype)
             # The forward removed nothing (every token is weighted instead): the segment's
             # rate_realized and kv_reduction say so; `relaxed` marks it (no shortfall warning).
-            seg.stats["relaxed"] = torch.ones((), device=z.device)
+            state.stats["relaxed"] = torch.ones((), device=z.device)
         else:
             alpha = torch.sigmoid(z / tau)
-            plan = state.plan
-            kept_tok = plan.kept if plan is not None else mask
+            kept_tok = state.plan.kept if state.plan is not None else mask
             idx = _entry_tokens(kept_tok, seg.valid.shape[1])  # [B, M]
             a = alpha.gather(1, idx)
             gate = torch.where(seg.valid, a - a.detach(), torch.zeros_like(a))
             seg.counts = seg.counts + gate.to(seg.counts.dtype)
         soft = (alpha * mask).sum(1) / n  # [B]
         budget = F.mse_loss(soft, kept.detach())
-        seg.stats["aux_loss"] = self.budget_weight * budget
-        seg.stats["retention_budget_loss"] = budget.detach()
-        seg.stats["retention_kept"] = soft.mean().detach()
+        state.stats["aux_loss"] = self.budget_weight * budget
+        state.stats["retention_budget_loss"] = budget.detach()
+        state.stats["retention_kept"] = soft.mean().detach()
         state.segment = seg
         return state
