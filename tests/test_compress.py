@@ -89,6 +89,9 @@ METHODS = {
     # A learned retention policy (zero-init, so it ranks as its prior): the hard selection of
     # inference, and the straight-through training gate (same entries, counts 1 + (a - sg(a))).
     "retention_eval_int4": lambda: _bits(presets.retention(), 4),
+    "retention_full_pipeline_eval": lambda: UniCacheConfig.from_dict(
+        {"selection": {"method": "retention", "prior": "snapkv"}}
+    ),
     "retention_st_topk_train": lambda: UniCacheConfig.from_dict(
         {**presets.retention().to_dict(), "selection": {"method": "retention",
                                                        "relaxation": "st_topk"}}
