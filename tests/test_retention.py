@@ -173,6 +173,35 @@ def test_rate_zero_stays_the_plain_forward_and_keeps_the_policy_in_the_graph() -
     assert g is not None and float(g.abs().sum()) == 0.0
 
 
+def test_soft_counts_agree_across_the_seam_kernels(monkeypatch) -> None:
+    """A Gumbel-sigmoid training segment (counts in (0, 1), attention adds log(alpha)) through
+    the CPU per-sample kernel and the batched dense-mask kernel: same logits and gradients, the
+    policy's included (1e-5: fp32, only the summation order differs)."""
+    import unicache_train.model.attention as attn_mod
+
+    torch.manual_seed(0)
+    model = Decoder(tiny_model()).train()
+    comp = build_compressor(CompressionTrainConfig(enabled=True, preset="retention"), model)
+    with torch.no_grad():
+        model.kv_retention.weight.normal_()
+    ids = torch.randint(0, 97, (3, 40))
+    split = torch.tensor([12, 25, 39])
+    results = {}
+    for mode in ("batched", "per_sample"):
+        monkeypatch.setattr(attn_mod, "SEGMENT_ATTENTION", mode)
+        model.zero_grad()
+        torch.manual_seed(1)  # the same gate noise in both
+        out = model(ids, split=split, compressor=comp)
+        assert float(out.compression_stats[0]["relaxed"]) == 1.0
+        out.logits.square().mean().backward()
+        results[mode] = (out.logits.detach(), [p.grad.clone() for p in model.parameters()])
+    (lb, gb), (lp, gp) = results["batched"], results["per_sample"]
+    torch.testing.assert_close(lp, lb, atol=1e-5, rtol=1e-5)
+    assert float(model.kv_retention.weight.grad.abs().sum()) > 0
+    for a, b in zip(gp, gb):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 # ------------------------------------------------------------------ the budget term
 @pytest.mark.parametrize("relaxation", ["gumbel_sigmoid", "st_topk"])
 def test_budget_term_drives_the_kept_fraction_to_the_target(relaxation: str) -> None:
