@@ -8,11 +8,12 @@ machine and the 1-minute load):
   compression policy of the real-checkpoint study (UniCache int4 at 4x: text-style preset, rate
   0.059), so the serving figures need no fine-tune.
 * ``speed``: prompts of ``--prompts`` tokens (real text: recall contexts), each decode path in
-  ``--paths`` (``plain``: transformers' DynamicCache; ``packed``, ``buffer``, ``reference``:
-  ``CompressedCache(decode_path=...)``) run round-robin ``--repeats`` times in one process;
+  ``--paths`` (``plain``: transformers' DynamicCache; ``packed``, ``int8``, ``buffer``,
+  ``reference``: ``CompressedCache(decode_path=...)``) run round-robin ``--repeats`` times in one process;
   prefill seconds (wall and process CPU) and decode tokens/s of ``--new-tokens`` generated
   greedily by ``generate()``; ratios to ``plain`` from the medians of the same run
-  (``bench_serving_speed.csv``). With one thread the process CPU time is close to the unloaded
+  (``bench_serving_speed.csv``; every single run also goes to ``bench_serving_speed_raw.csv`` as
+  it finishes, so a long run that is stopped keeps its repeats). With one thread the process CPU time is close to the unloaded
   wall time, so its ratio is the steadier one on a shared machine.
 * ``memory``: one fresh process per (prompt length, path, batch): the peak resident memory of
   ``generate()`` (``ru_maxrss``) and the resident memory after loading the model, the K/V bytes
@@ -52,7 +53,7 @@ from bench_common import RESULTS_DIR, report
 
 SMOLLM2 = Path.home() / ".cache" / "unicache_train" / "models" / "SmolLM2-135M-Instruct"
 STUDY_RATE = 0.059  # the study's int4 rate at 4x (recipes/smollm2_compress.yaml)
-PATHS = ("plain", "packed", "buffer", "reference")
+PATHS = ("plain", "packed", "int8", "buffer", "reference")
 
 
 # ------------------------------------------------------------------------------- export
@@ -164,6 +165,12 @@ def cmd_speed(args) -> None:
                 res[p].append(run_once(model, tok, export, ids, args.new_tokens, p))
                 loads.append(os.getloadavg()[0])
                 x = res[p][-1]
+                raw = {"path": p, "prompt_tokens": P, "repeat": r,
+                       **{k: f"{x[k]:.3f}" for k in ("prefill_s", "prefill_cpu_s", "tps",
+                                                      "tps_cpu")}}  # fmt: skip
+                report(f"run {r} {p}", [raw], "bench_serving_speed_raw",
+                       {"export": export.name, "threads": args.threads,
+                        "new_tokens": args.new_tokens})  # fmt: skip
                 print(f"P={P} repeat {r} {p:9s} prefill {x['prefill_s']:.2f}s "
                       f"(cpu {x['prefill_cpu_s']:.2f}) decode {x['tps']:.2f} tok/s "
                       f"(cpu {x['tps_cpu']:.2f}) load {loads[-1]:.2f}", flush=True)  # fmt: skip
