@@ -9,12 +9,12 @@ machine and the 1-minute load):
   0.059), so the serving figures need no fine-tune.
 * ``speed``: prompts of ``--prompts`` tokens (real text: recall contexts), each decode path in
   ``--paths`` (``plain``: transformers' DynamicCache; ``packed``, ``int8``, ``buffer``,
-  ``reference``: ``CompressedCache(decode_path=...)``) run round-robin ``--repeats`` times in one process;
-  prefill seconds (wall and process CPU) and decode tokens/s of ``--new-tokens`` generated
-  greedily by ``generate()``; ratios to ``plain`` from the medians of the same run
-  (``bench_serving_speed.csv``; every single run also goes to ``bench_serving_speed_raw.csv`` as
-  it finishes, so a long run that is stopped keeps its repeats). With one thread the process CPU time is close to the unloaded
-  wall time, so its ratio is the steadier one on a shared machine.
+  ``reference``: ``CompressedCache(decode_path=...)``) run round-robin ``--repeats`` times in
+  one process; prefill seconds (wall and process CPU) and decode tokens/s of ``--new-tokens``
+  generated greedily by ``generate()``; ratios to ``plain`` from the medians of the same run
+  (``bench_serving_speed.csv``; each single run also goes to ``bench_serving_speed_raw.csv``
+  as it finishes, so a stopped run keeps its repeats). With one thread the process CPU time is
+  close to the unloaded wall time, so its ratio is the steadier one on a shared machine.
 * ``memory``: one fresh process per (prompt length, path, batch): the peak resident memory of
   ``generate()`` (``ru_maxrss``) and the resident memory after loading the model, the K/V bytes
   the cache holds at the end (real element sizes: the plain cache's fp32 tensors; the compressed
