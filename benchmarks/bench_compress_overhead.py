@@ -168,7 +168,7 @@ def _config(
     return RunConfig(
         model=_model_config(args),
         data=_data(args),
-        compress=CompressionTrainConfig(
+        compress=CompressionTrainConfig.from_dict(dict(
             enabled=enabled,
             method=method,
             preset="text_style_baseline",
@@ -176,7 +176,7 @@ def _config(
             xkv=xkv,
             min_context=32,
             kl_weight=kl_weight,
-        ),
+        )),
     )
 
 

@@ -166,7 +166,7 @@ def _config(args, method: str, enabled: bool = True, kl_weight: float = 0.0, **x
             num_key_value_heads=2,
         ),
         data=bench_data(args),
-        compress=CompressionTrainConfig(
+        compress=CompressionTrainConfig.from_dict(dict(
             enabled=enabled,
             method=method,
             preset="text_style_baseline",
@@ -179,7 +179,7 @@ def _config(args, method: str, enabled: bool = True, kl_weight: float = 0.0, **x
             },
             min_context=32,
             kl_weight=kl_weight,
-        ),
+        )),
     )
 
 

@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from unicache_train.recipe import (
     FinetuneOptions,
@@ -73,11 +73,6 @@ class XKVOptions(FinetuneOptions):
     train_reductions: list[float] = field(default_factory=lambda: [4.0, 8.0])
     finetune_unicache: bool = True
     control: bool = True
-
-    renamed_fields: ClassVar[dict[str, str]] = {
-        "eval_ratios": "eval_reductions",
-        "train_ratios": "train_reductions",
-    }
 
     def __post_init__(self) -> None:
         super().__post_init__()

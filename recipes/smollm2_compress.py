@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from unicache_train.train.config import pop_config_path
+from unicache_train.commandline import pop_config_path
 from unicache_train.validation import ConfigError, apply_overrides, load_yaml
 
 DEFAULT_YAML = Path(__file__).with_suffix(".yaml")

@@ -55,8 +55,7 @@ from typing import Any
 
 from unicache_train.compress.config import MAX_RATE
 from unicache_train.recipe import build_section, parse_recipe_args, run_sections
-from unicache_train.train.config import deep_merge
-from unicache_train.validation import ConfigError, load_yaml
+from unicache_train.validation import ConfigError, deep_merge, load_yaml
 from unicache_train.validation import check_int as _int
 
 HERE = Path(__file__).resolve().parent

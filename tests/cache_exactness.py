@@ -71,7 +71,8 @@ def make_model(family: str) -> Decoder:
 def export(tmp_path: Path, family: str, policy_name: str) -> Path:
     model = make_model(family)
     kw = POLICIES[policy_name]
-    policy = None if kw is None else policy_of(CompressionTrainConfig(enabled=True, **kw))
+    cc = None if kw is None else CompressionTrainConfig.from_dict({"enabled": True, **kw})
+    policy = None if cc is None else policy_of(cc)
     out = tmp_path / f"{family}_{policy_name}"
     export_hf(model, out, family="llama" if family == "mhc" else family,
               compression_policy=policy, tokenizer_from="byte")  # fmt: skip

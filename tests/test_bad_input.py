@@ -67,34 +67,36 @@ def files(tmp_path_factory) -> dict[str, str]:
 # ----------------------------------------------------------------------------- the CLI
 # argv (with {ckpt}, {empty}, {dir} filled in) -> a fragment of the one-line error.
 CLI_CASES = {
-    "fit lr negative": (["fit", "--train.lr", "-1"],
+    "fit lr negative": (["fit", "train.lr=-1"],
                         "TrainConfig.lr=-1.0 is out of range; allowed (0, 10]"),
     "fit rope_theta inf (yaml)": (["fit", "--config", "{inf_yaml}"],
                                   "ModelConfig.rope_theta=inf is out of range; allowed (0, inf)"),
     "fit hc_mult without mhc": (
-        ["fit", "--model.hc_mult", "8"],
+        ["fit", "model.hc_mult=8"],
         "ModelConfig.hc_mult=8 has no effect with residual_mode='residual'"),
-    "fit unicache rate": (["fit", "--compress.unicache.target_rate", "1.5"],
+    "fit unicache rate": (["fit", "compress.unicache.target_rate=1.5"],
                           "UniCacheConfig.target_rate=1.5 is out of range; allowed [0.0, 0.95]"),
-    "fit old xkv ratio": (["fit", "--compress.xkv.ratio", "4"],
-                          "XKVConfig.ratio was renamed to XKVConfig.reduction"),
-    "fit old xkv rank_mode": (["fit", "--compress.xkv.rank_mode", "ratio"],
-                              "XKVConfig.rank_mode='ratio' was renamed to 'reduction'"),
+    "fit unknown xkv field": (["fit", "compress.xkv.ratio=4"],
+                              "unknown field(s) ['ratio'] in compress.xkv; known: ["),
+    "fit xkv rank_mode": (["fit", "compress.xkv.rank_mode=ratio"],
+                          "XKVConfig.rank_mode='ratio' is not allowed; choose one of"),
     "fit unicache rate e-notation": (
-        ["fit", "--compress.unicache.target_rate", "2e0"],
+        ["fit", "compress.unicache.target_rate=2e0"],
         "UniCacheConfig.target_rate=2.0 is out of range"),
     "fit empty data file": (
-        ["fit", "--data.source", "{empty}", "--logging.logger", "none", "--train.accelerator",
-         "cpu", "--train.progress_bar", "false", "--train.out_dir", "{dir}/fit"],
+        ["fit", "data.source={empty}", "logging.logger=none", "train.accelerator=cpu",
+         "train.progress_bar=false", "train.out_dir={dir}/fit"],
         "DataConfig.source: '{empty}' has no records (the file is empty)"),
     "evaluate rates out of range": (
-        ["evaluate", "--checkpoint", "{ckpt}", "--compression.rates", "[1.5]"],
+        ["evaluate", "--checkpoint", "{ckpt}", "sweep.rates=[1.5]"],
         "CompressionEvalConfig.rates: 1.5 is out of range; allowed [0, 0.95]"),
-    "evaluate old xkv_ratios": (
-        ["evaluate", "--checkpoint", "{ckpt}", "--compression.xkv_ratios", "[4]"],
-        "CompressionEvalConfig.xkv_ratios was renamed to CompressionEvalConfig.xkv_reductions"),
+    "evaluate unknown sweep field": (
+        ["evaluate", "--checkpoint", "{ckpt}", "sweep.xkv_ratios=[4]"],
+        "unknown field(s) ['xkv_ratios'] in sweep"),
+    "evaluate no checkpoint": (["evaluate"], "evaluate: --checkpoint is required"),
+    "unknown command": (["bogus"], "unknown command 'bogus'; choose one of"),
     "evaluate empty data file": (
-        ["evaluate", "--checkpoint", "{ckpt}", "--data.source", "{empty}"],
+        ["evaluate", "--checkpoint", "{ckpt}", "data.source={empty}"],
         "DataConfig.source: '{empty}' has no records (the file is empty)"),
     "evaluate missing checkpoint": (["evaluate", "--checkpoint", "{dir}/missing.ckpt"],
                                     "missing.ckpt"),
@@ -139,17 +141,20 @@ def test_cli_bad_input_is_one_line_error_exit_2(case, files, capsys) -> None:
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["fit", "--train.lr", "abc"], 'Parser key "train.lr":'),
-    (["fit", "--model.rope_theta", "inf"], 'Parser key "model.rope_theta":'),
-    (["fit", "--no_such_flag", "1"], "unrecognized arguments: --no_such_flag 1"),
+    (["fit", "train.lr=abc"], "TrainConfig.lr='abc': expected a number in (0, 10], got str"),
+    (["fit", "model.rope_theta=inf"], "ModelConfig.rope_theta='inf': expected a number"),
+    (["fit", "--no_such_flag", "1"], "unknown option '--no_such_flag'; known: ['--config'"),
+    (["fit", "train.max_steps"], "'train.max_steps': expected section.field=value or an --option"),
+    (["generate", "--checkpoint", "x", "--prompt", "hi", "--max_new_tokens", "abc"],
+     "generate --max_new_tokens='abc': expected int"),
 ])  # fmt: skip
-def test_cli_type_errors_are_the_parsers_usage_error(argv, fragment, capsys) -> None:
-    """Values of the wrong type never reach our code: jsonargparse prints its usage and an error
-    naming the key and the value (exit code 2, no traceback)."""
+def test_cli_type_errors_are_one_line_errors(argv, fragment, capsys) -> None:
+    """Values of the wrong type, unknown options and malformed overrides: one line naming the
+    field and the value (exit code 2, no traceback), before anything runs."""
     with pytest.raises(SystemExit) as exc:
         main(argv)
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and fragment in err and "Traceback" not in err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and fragment in err[0], err
 
 
 def test_console_script_bad_input_no_traceback(files) -> None:
@@ -203,10 +208,10 @@ def test_e_notation_in_overrides_yaml_and_cli_flags(tmp_path: Path) -> None:
     (tmp_path / "d.yaml").write_text("train:\n  lr: 2E-4\ncompress:\n  kl_weight: 5e-1\n")
     cfg = RunConfig.load(tmp_path / "d.yaml")
     assert (cfg.train.lr, cfg.compress.kl_weight) == (2e-4, 0.5)
-    from unicache_train.cli import _fold_compress_flags
+    from unicache_train.cli import _parse
 
-    args = _fold_compress_flags(["fit", "--compress.unicache.target_rate", "5e-1"])
-    assert load_yaml(args[args.index("--compress.unicache") + 1]) == {"target_rate": 0.5}
+    kwargs, _ = _parse("fit", ["compress.unicache.target_rate=5e-1"])
+    assert kwargs["compress"].unicache.target_rate == 0.5
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -242,12 +247,12 @@ RECIPE_CASES = {
     "finetune_xkv reductions": (
         "finetune_xkv", "parse_args", ["recipe.eval_reductions=[0.5]"],
         "recipe.eval_reductions=[0.5]: expected a list of reductions in [1, 64]"),
-    "finetune_xkv old ratios": (
+    "finetune_xkv unknown recipe field": (
         "finetune_xkv", "parse_args", ["recipe.train_ratios=[4]"],
-        "recipe.train_ratios was renamed to recipe.train_reductions"),
-    "finetune_xkv old xkv ratio": (
+        "unknown field(s) ['train_ratios'] in recipe"),
+    "finetune_xkv unknown xkv field": (
         "finetune_xkv", "parse_args", ["compress.xkv.ratio=8"],
-        "XKVConfig.ratio was renamed to XKVConfig.reduction"),
+        "unknown field(s) ['ratio'] in compress.xkv"),
     "finetune_xkv bool": ("finetune_xkv", "parse_args", ["recipe.control=maybe"],
                           "recipe.control='maybe': expected a bool"),
     "vlm_tiny unknown": ("vlm_tiny", "parse_args", ["recipe.nope=1"],
@@ -358,19 +363,16 @@ API_CASES = {
     "XKVConfig reduction": raises(
         ConfigError, lambda: XKVConfig(rank_mode="reduction", reduction=0.5),
         "XKVConfig.reduction=0.5 is out of range; allowed [1.0, 64.0]"),
-    # renamed fields and values (docs/architecture.md#words): the old name, then the new one
-    "XKVConfig old ratio": raises(
+    "XKVConfig unknown field": raises(
         ConfigError, lambda: XKVConfig.from_dict({"ratio": 4.0}),
-        "XKVConfig.ratio was renamed to XKVConfig.reduction"),
-    "XKVConfig old rank_mode": raises(
-        ConfigError, lambda: XKVConfig(rank_mode="ratio"),
-        "XKVConfig.rank_mode='ratio' was renamed to 'reduction'"),
-    "RunConfig old xkv ratio": raises(
+        "unknown field(s) ['ratio'] in XKVConfig; known: ["),
+    "RunConfig unknown xkv field": raises(
         ConfigError, lambda: RunConfig.from_dict({"compress": {"xkv": {"ratio": 4.0}}}),
-        "XKVConfig.ratio was renamed to XKVConfig.reduction"),
-    "CompressionEvalConfig old xkv ratio": raises(
-        ConfigError, lambda: CompressionEvalConfig(xkv={"ratio": 4.0}),
-        "CompressionEvalConfig.xkv.ratio was renamed to CompressionEvalConfig.xkv.reduction"),
+        "unknown field(s) ['ratio'] in compress.xkv; known: ["),
+    "CompressionTrainConfig mapping": raises(
+        ConfigError, lambda: CompressionTrainConfig(unicache={"target_rate": 0.5}),
+        "CompressionTrainConfig.unicache={'target_rate': 0.5}: expected a UniCacheConfig (a "
+        "mapping of overrides goes through CompressionTrainConfig.from_dict)"),
     "UniCacheCompressor rate_scale": raises(
         ValueError, lambda: UniCacheCompressor().set_rate_scale(2),
         "rate_scale=2 is out of range; allowed [0.0, 1.0]"),

@@ -258,7 +258,7 @@ def test_greedy_generation_on_compressed_cache_matches_inloop_argmax() -> None:
 def module(**compress) -> LMModule:
     cfg = RunConfig(
         model=tiny_model_config(num_hidden_layers=2),
-        compress=CompressionTrainConfig(enabled=True, **compress),
+        compress=CompressionTrainConfig.from_dict({"enabled": True, **compress}),
     )
     torch.manual_seed(0)
     return LMModule(cfg)
@@ -437,13 +437,13 @@ def test_tiny_fit_with_compression_logs_metrics(tmp_path: Path) -> None:
         ),
         logging=LoggingConfig(logger="csv"),
         monitor=MonitorConfig(gain=False, compress_every_n_steps=1),
-        compress=CompressionTrainConfig(
+        compress=CompressionTrainConfig.from_dict(dict(
             enabled=True,
             preset="text_style_baseline",
             unicache={"target_rate": 0.6},
             curriculum_steps=2,
             kl_weight=0.1,
-        ),
+        )),
     )
     trainer = fit(cfg)
     assert trainer.global_step == 4

@@ -128,8 +128,8 @@ def test_cli_vlm_reads_the_vlm_recipe_yaml(capsys) -> None:
     from unicache_train.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["vlm", "--config", str(RECIPES / "vlm_tiny.yaml"), "--train.max_steps", "7",
-              "--compress.unicache.target_rate", "0.5", "--print_config"])  # fmt: skip
+        main(["vlm", "--config", str(RECIPES / "vlm_tiny.yaml"), "train.max_steps=7",
+              "compress.unicache.target_rate=0.5", "--print_config"])  # fmt: skip
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert re.search(r"^  max_steps: 7$", out, re.M) and "target_rate: 0.5" in out

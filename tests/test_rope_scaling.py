@@ -268,9 +268,9 @@ def test_unicache_then_xkv_at_full_rank_is_exact_on_a_yarn_model():
     torch.manual_seed(0)
     model = Decoder(ModelConfig(**{**LLAMA, "num_hidden_layers": 3}, rope_theta=10000.0,
                                 rope_scaling=ROPES["yarn"])).eval()
-    comp = build_compressor(CompressionTrainConfig(
+    comp = build_compressor(CompressionTrainConfig.from_dict(dict(
         enabled=True, method="unicache+xkv", preset="text_style_baseline",
-        unicache={"target_rate": 0.0}, xkv={"rank_fraction": 1.0, "keys_pre_rope": True}))
+        unicache={"target_rate": 0.0}, xkv={"rank_fraction": 1.0, "keys_pre_rope": True})))
     ids = torch.randint(0, V, (2, 40))
     split = torch.tensor([31, 17])
     with torch.no_grad():

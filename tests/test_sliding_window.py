@@ -273,7 +273,7 @@ def test_lightning_module_compressed_loss_with_windowed_layers():
 
     cfg = RunConfig(
         model=ModelConfig(**COMMON, sliding_window=6, layer_types=MIXED),
-        compress=CompressionTrainConfig(enabled=True, unicache=unicache(0.6, 8).to_dict(),
+        compress=CompressionTrainConfig(enabled=True, unicache=unicache(0.6, 8),
                                         kl_weight=0.5),
     )  # fmt: skip
     torch.manual_seed(0)

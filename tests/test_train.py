@@ -137,16 +137,16 @@ def test_fabric_run_ddp_two_processes_and_resume(tmp_path):
 
 
 def test_cli_fit_accepts_compress_section(monkeypatch):
-    """``unicache-train fit --compress.*`` reaches the run config (preset merge included)."""
+    """``unicache-train fit compress.*=...`` reaches the run config (preset merge included)."""
     import unicache_train.train.run as run_mod
     from unicache_train.cli import main
 
     seen = {}
     monkeypatch.setattr(run_mod, "fit", lambda config: seen.setdefault("config", config))
     main([
-        "fit", "--compress.enabled", "true", "--compress.preset", "text_style_baseline",
-        "--compress.unicache.target_rate", "0.5", "--compress.unicache.quantize.bits", "4",
-        "--compress.kl_weight", "0.25",
+        "fit", "compress.enabled=true", "compress.preset=text_style_baseline",
+        "compress.unicache.target_rate=0.5", "compress.unicache.quantize.bits=4",
+        "compress.kl_weight=0.25",
     ])
     cc = seen["config"].compress
     assert cc.enabled and cc.kl_weight == 0.25
@@ -154,7 +154,7 @@ def test_cli_fit_accepts_compress_section(monkeypatch):
     # The preset's own settings survive the override (text_style_baseline: no modality budget).
     assert cc.unicache.budget.enabled is False
     with pytest.raises(SystemExit):
-        main(["fit", "--compress.unicache.target_rate", "1.5"])
+        main(["fit", "compress.unicache.target_rate=1.5"])
 
 
 def test_cli_fit_compress_preset_and_config_file(monkeypatch, tmp_path):
@@ -170,8 +170,8 @@ def test_cli_fit_compress_preset_and_config_file(monkeypatch, tmp_path):
         "compress:\n  enabled: true\n  preset: text_style_baseline\n"
         "  unicache:\n    target_rate: 0.5\n    quantize: {bits: 4}\n"
     )
-    main(["fit", "--config", str(cfg), "--compress.unicache.quantize.bits=8"])
-    main(["fit", "--compress.preset", "text_style_baseline"])
+    main(["fit", "--config", str(cfg), "compress.unicache.quantize.bits=8"])
+    main(["fit", "compress.preset=text_style_baseline"])
     first, second = (c.compress.unicache for c in seen)
     assert first.target_rate == 0.5 and first.quantize.bits == 8 and not first.budget.enabled
     assert not second.budget.enabled and second.importance.normalize == "global"

@@ -374,7 +374,7 @@ def test_module_step_with_xkv_and_kl_reuses_the_prefill() -> None:
         compress=CompressionTrainConfig(
             enabled=True,
             method="xkv",
-            xkv={"rank_mode": "reduction", "reduction": 4.0, "gradient": "causal"},
+            xkv=XKVConfig(rank_mode="reduction", reduction=4.0, gradient="causal"),
             kl_weight=0.5,
             min_context=8,
         ),
@@ -456,7 +456,7 @@ def test_rate_scale_zero_is_the_identity_and_scales_the_rank() -> None:
         (dict(rank_fraction=0.0), r"rank_fraction=0.0 is out of range; allowed \(0.0, 1.0\]"),
         (dict(energy=1.5), "energy=1.5"),
         (dict(reduction=0.5), r"reduction=0.5 is out of range; allowed \[1.0, 64.0\]"),
-        (dict(rank_mode="ratio"), "rank_mode='ratio' was renamed to 'reduction'"),
+        (dict(rank_mode="ratio"), "rank_mode='ratio' is not allowed"),
         (dict(rank_mode="svd"), "rank_mode='svd' is not allowed"),
         (dict(gradient="none"), "gradient='none'"),
         (dict(refresh_every=0), "refresh_every=0"),
@@ -469,7 +469,7 @@ def test_config_errors_name_field_value_and_range(kw, match) -> None:
 
 
 def test_train_config_methods() -> None:
-    cc = CompressionTrainConfig(enabled=True, method="xkv", xkv={"group_size": 4})
+    cc = CompressionTrainConfig.from_dict(dict(enabled=True, method="xkv", xkv={"group_size": 4}))
     assert isinstance(cc.xkv, XKVConfig) and cc.xkv.group_size == 4
     comp = build_compressor(cc)
     assert isinstance(comp, XKVCompressor) and comp.config is not cc.xkv
@@ -477,9 +477,9 @@ def test_train_config_methods() -> None:
     assert both.token_compressor.config.head_merge.enabled is False
     assert not both.token_compressor.config.quantize.active
     with pytest.raises(ConfigError, match="gradient='causal' is not allowed with method"):
-        CompressionTrainConfig(method="unicache+xkv", xkv={"gradient": "causal"})
+        CompressionTrainConfig.from_dict(dict(method="unicache+xkv", xkv={"gradient": "causal"}))
     with pytest.raises(ConfigError, match="unknown field"):
-        CompressionTrainConfig(method="xkv", xkv={"rank": 3})
+        CompressionTrainConfig.from_dict(dict(method="xkv", xkv={"rank": 3}))
     with pytest.raises(ConfigError, match="head_merge.enabled=True is not allowed under xKV"):
         XKVCompressor(token_compressor=UniCacheCompressor(UniCacheConfig()))
     rc = RunConfig(compress=cc)
@@ -645,7 +645,7 @@ def test_recipe_runs_from_scratch(tmp_path) -> None:
 def test_export_policy_names_the_xkv_setting() -> None:
     from unicache_train.checkpoint.export import compression_policy_of
 
-    xkv = {"reduction": 8.0, "rank_mode": "reduction"}
+    xkv = XKVConfig(reduction=8.0, rank_mode="reduction")
     cfg = RunConfig(compress=CompressionTrainConfig(enabled=True, method="xkv", xkv=xkv))
     policy = compression_policy_of(cfg)
     assert policy["method"] == "xkv" and policy["xkv"]["reduction"] == 8.0

@@ -1,21 +1,31 @@
-"""The ``unicache-train`` command line.
+"""The ``unicache-train`` command line, in the grammar of the recipes (one parser for both,
+:mod:`unicache_train.commandline`)::
 
-Each subcommand is a plain function; its typed signature and docstring make the CLI
-(jsonargparse). Every subcommand accepts ``--config FILE.yaml`` (the recipe YAMLs in
-``recipes/``) and dotted overrides such as ``--train.max_steps 50``.
+    unicache-train COMMAND [--config FILE.yaml] [--OPTION VALUE ...] [section.field=value ...]
 
-The multi-stage recipes (``python recipes/NAME.py``) share another, smaller surface built on the
-same config tree: :mod:`unicache_train.recipe`.
+Each command is a plain function. Its parameters typed with a config dataclass are **sections**,
+set by ``--config`` and ``section.field=value`` overrides (``train.max_steps=50``,
+``compress.unicache.target_rate=0.5``); its other parameters are **options**, spelled
+``--name VALUE`` (a boolean bare: ``--compressed``). ``unicache-train COMMAND --help`` lists both,
+with the values the run would use.
+
+    unicache-train fit --config recipes/pretrain_tiny.yaml train.max_steps=50
+    unicache-train evaluate --checkpoint runs/x/checkpoints/last.ckpt 'sweep.rates=[0.3,0.6]'
+    unicache-train export --checkpoint runs/x/checkpoints/last.ckpt --out exported/
+    unicache-train generate --export exported/ --compressed --prompt "Q: what is"
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import sys
-from collections.abc import Callable
-from pathlib import Path
+import typing
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from unicache_train.commandline import Section, build_section, parse_args
 from unicache_train.data.config import DataConfig
 from unicache_train.data.multimodal import MultimodalDataConfig
 from unicache_train.eval.sweep import CompressionEvalConfig
@@ -32,15 +42,18 @@ from unicache_train.validation import ConfigError
 
 
 def fit(
-    model: ModelConfig = ModelConfig(),  # noqa: B008  (jsonargparse reads these defaults)
-    data: DataConfig = DataConfig(),  # noqa: B008
-    train: TrainConfig = TrainConfig(),  # noqa: B008
-    logging: LoggingConfig = LoggingConfig(),  # noqa: B008
-    monitor: MonitorConfig = MonitorConfig(),  # noqa: B008
-    compress: CompressionTrainConfig = CompressionTrainConfig(),  # noqa: B008
+    model: ModelConfig,
+    data: DataConfig,
+    train: TrainConfig,
+    logging: LoggingConfig,
+    monitor: MonitorConfig,
+    compress: CompressionTrainConfig,
 ) -> None:
     """Train (or resume) a model: pretraining from scratch on the bundled synthetic corpus by
     default. Writes checkpoints and the resolved config.yaml under ``train.out_dir``.
+
+    Example: ``unicache-train fit --config recipes/pretrain_tiny.yaml train.max_steps=50
+    compress.enabled=true compress.preset=text_style_baseline compress.unicache.target_rate=0.6``
 
     Args:
         model: decoder architecture (HF field names; residual_mode residual|mhc|hc).
@@ -50,34 +63,28 @@ def fit(
         logging: logger (wandb offline by default, csv, tensorboard, none) and run metadata.
         monitor: per-layer signal-gain monitor (interval, 2x threshold, stop rule, plots) and
             compression-quality logging interval.
-        compress: KV compression in the training loop (off by default), e.g.
-            ``--compress.enabled true --compress.preset text_style_baseline
-            --compress.unicache.target_rate 0.6 --compress.kl_weight 0.5``.
+        compress: KV compression in the training loop (off by default).
     """
     from unicache_train.train.run import fit as run_fit
 
-    run_fit(
-        RunConfig(
-            model=model, data=data, train=train, logging=logging, monitor=monitor,
-            compress=compress,
-        )
-    )
+    run_fit(RunConfig(model=model, data=data, train=train, logging=logging, monitor=monitor,
+                      compress=compress))  # fmt: skip
 
 
 def vlm(
-    model: ModelConfig = ModelConfig(),  # noqa: B008  (jsonargparse reads these defaults)
-    vision: VisionConfig = VisionConfig(),  # noqa: B008
-    data: MultimodalDataConfig = MultimodalDataConfig(),  # noqa: B008
-    train: TrainConfig = TrainConfig(),  # noqa: B008
-    logging: LoggingConfig = LoggingConfig(),  # noqa: B008
-    monitor: MonitorConfig = MonitorConfig(),  # noqa: B008
-    compress: CompressionTrainConfig = CompressionTrainConfig(),  # noqa: B008
+    model: ModelConfig,
+    vision: VisionConfig,
+    data: MultimodalDataConfig,
+    train: TrainConfig,
+    logging: LoggingConfig,
+    monitor: MonitorConfig,
+    compress: CompressionTrainConfig,
 ) -> None:
     """Train (or resume) a vision-language model (vision tower + projector + decoder) on the
     synthetic scenes by default, or on local image-text files. Writes checkpoints and the resolved
     config.yaml under ``train.out_dir``.
 
-    Example: ``unicache-train vlm --config recipes/vlm_tiny.yaml --train.max_steps 50``
+    Example: ``unicache-train vlm --config recipes/vlm_tiny.yaml train.max_steps=50``
     (``recipes/vlm_tiny.py`` runs the whole study: tower pretraining, base, evaluation under
     compression, fine-tune, control).
 
@@ -94,12 +101,8 @@ def vlm(
     """
     from unicache_train.train.vlm import VLMRunConfig, fit_vlm
 
-    fit_vlm(
-        VLMRunConfig(
-            model=model, vision=vision, data=data, train=train, logging=logging,
-            monitor=monitor, compress=compress,
-        )
-    )  # fmt: skip
+    fit_vlm(VLMRunConfig(model=model, vision=vision, data=data, train=train, logging=logging,
+                         monitor=monitor, compress=compress))  # fmt: skip
 
 
 #: ``evaluate --logger`` values (None: no logger).
@@ -110,25 +113,26 @@ def evaluate(
     checkpoint: str,
     data: DataConfig | None = None,
     limit_batches: int = 50,
-    compression: CompressionEvalConfig | None = None,
+    sweep: CompressionEvalConfig | None = None,
     logger: str | None = None,
 ) -> dict[str, Any]:
-    """Evaluate a checkpoint: validation loss and perplexity; with ``--compression.rates``, also
-    quality under KV compression at each rate (perplexity on continuations, key-value recall decoded
-    on the real compressed cache, attention and output KL, real KV reduction, the pass/fail
-    quality checks of docs/architecture.md#quality-checks), written as a table, a CSV and a PNG
-    under ``--compression.out_dir``.
+    """Evaluate a checkpoint: validation loss and perplexity; with ``sweep.rates``, also quality
+    under KV compression at each rate (perplexity on continuations, key-value recall decoded on the
+    real compressed cache, attention and output KL, real KV reduction, the pass/fail quality
+    checks of docs/architecture.md#quality-checks), written as a table, a CSV and a PNG under
+    ``sweep.out_dir``.
 
     Example: ``unicache-train evaluate --checkpoint runs/x/checkpoints/last.ckpt
-    --compression.rates "[0.0,0.3,0.6]" --compression.quantize int8``
+    'sweep.rates=[0.0,0.3,0.6]' sweep.quantize=int8``
 
     Args:
         checkpoint: a ``.ckpt`` written by ``unicache-train fit``.
         data: data to evaluate on (default: the data section saved with the checkpoint).
         limit_batches: evaluate at most this many validation batches (plain perplexity).
-        compression: rates and options of the compression evaluation (skipped when not given).
+        sweep: rates and options of the compression sweep (skipped when no ``sweep.*`` field
+            is given).
         logger: also send the ``compress/*`` metrics to a logger: csv, tensorboard or wandb
-            (offline), written under ``--compression.out_dir``.
+            (offline), written under ``sweep.out_dir``.
     """
     from unicache_train.checkpoint import load_checkpoint
     from unicache_train.data.datamodule import LMDataModule
@@ -140,10 +144,10 @@ def evaluate(
     if isinstance(limit_batches, bool) or not isinstance(limit_batches, int) or limit_batches < 1:
         raise ConfigError(f"evaluate --limit_batches={limit_batches!r} is out of range; allowed "
                           "an integer in [1, inf)")
-    if compression is not None:  # before the sweep, not after it
+    if sweep is not None:  # before the sweep, not after it
         from unicache_train.preflight import check_output_dir
 
-        check_output_dir(compression.out_dir, what="--compression.out_dir")
+        check_output_dir(sweep.out_dir, what="sweep.out_dir")
     model, config = load_checkpoint(checkpoint)
     data_cfg = data or config.data
     dm = LMDataModule(data_cfg)
@@ -152,9 +156,8 @@ def evaluate(
     print(f"val loss {result.loss:.4f}  ppl {result.ppl:.3f}  "
           f"({result.tokens} tokens, {result.batches} batches)")
     out: dict[str, Any] = {"loss": result.loss, "ppl": result.ppl}
-    if compression is not None:
-        out["compression"] = _evaluate_compression(model, config, data_cfg, dm, compression,
-                                                   logger)
+    if sweep is not None:
+        out["sweep"] = _evaluate_compression(model, config, data_cfg, dm, sweep, logger)
     return out
 
 
@@ -353,74 +356,6 @@ def fetch(name: str = "smollm2", root: str | None = None, force: bool = False) -
     return str(path)
 
 
-_MAPPING_SECTIONS = ("unicache", "xkv")
-
-
-def _fold_compress_flags(argv: list[str]) -> list[str]:
-    """Pass ``compress.unicache`` / ``compress.xkv`` to ``fit`` as one mapping each.
-
-    These sections are *overrides of a preset* (merged onto ``compress.preset`` when the config is
-    built). Left to the parser, a dotted flag such as ``--compress.unicache.target_rate 0.5``
-    would be applied to the fully expanded default preset, which then hides the chosen preset.
-    So the dotted flags (values read as YAML scalars) are folded, over the ``compress`` section of
-    any ``--config`` file, into one JSON mapping per section appended to the arguments.
-    """
-    import json
-
-    from unicache_train.train.config import deep_merge
-    from unicache_train.validation import load_yaml, load_yaml_file
-
-    if not argv or argv[0] not in ("fit", "pretrain", "vlm"):
-        return argv
-    rest: list[str] = [argv[0]]
-    folded: dict[str, dict[str, Any]] = {name: {} for name in _MAPPING_SECTIONS}
-    from_files: dict[str, dict[str, Any]] = {name: {} for name in _MAPPING_SECTIONS}
-    i = 1
-    while i < len(argv):
-        arg = argv[i]
-        key, eq, value = arg.partition("=")
-        if key == "--config":
-            path = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-            if path is not None and Path(path).is_file():
-                loaded = load_yaml_file(path) or {}
-                section = loaded.get("compress") if isinstance(loaded, dict) else None
-                for name in _MAPPING_SECTIONS:
-                    sub = section.get(name) if isinstance(section, dict) else None
-                    if isinstance(sub, dict):
-                        from_files[name] = deep_merge(from_files[name], sub)
-        parts = key.split(".")
-        if len(parts) >= 3 and parts[0] == "--compress" and parts[1] in _MAPPING_SECTIONS:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"{key}: missing value")
-                value = argv[i + 1]
-                i += 1
-            node = folded[parts[1]]
-            for part in parts[2:-1]:
-                node = node.setdefault(part, {})
-            node[parts[-1]] = load_yaml(value, key)
-            i += 1
-            continue
-        if len(parts) == 2 and parts[0] == "--compress" and parts[1] in _MAPPING_SECTIONS:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"{key}: missing value")
-                value = argv[i + 1]
-                i += 1
-            mapping = load_yaml(value, key)
-            if not isinstance(mapping, dict):
-                raise ConfigError(f"{key}={value!r}: expected a mapping (JSON or YAML)")
-            folded[parts[1]] = deep_merge(folded[parts[1]], mapping)
-            i += 1
-            continue
-        rest.append(arg)
-        i += 1
-    for name in _MAPPING_SECTIONS:
-        merged = deep_merge(from_files[name], folded[name])
-        rest += [f"--compress.{name}", json.dumps(merged)]
-    return rest
-
-
 def _user_error_types() -> tuple[type[BaseException], ...]:
     """The errors that mean "bad input" (a message for the user, not a bug to trace)."""
     from unicache_train.checkpoint.deepseek_v3 import DeepseekV3ExportError
@@ -440,12 +375,9 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
 
 def user_error(err: BaseException) -> BaseException | None:
-    """The bad-input error behind ``err``, if any: ``err`` itself or one of its causes.
-
-    jsonargparse wraps a config dataclass's :class:`ConfigError` (e.g. in an ``Optional[...]``
-    section such as ``evaluate --compression``) into its own ``ValueError``; the cause chain
-    still holds ours, whose message names the field, the value and the range.
-    """
+    """The bad-input error behind ``err``, if any: ``err`` itself or one of its explicit
+    causes (a library error raised ``from`` ours keeps ours, whose message names the field, the
+    value and the range)."""
     kinds = _user_error_types()
     seen: set[int] = set()
     cur: BaseException | None = err
@@ -459,37 +391,109 @@ def user_error(err: BaseException) -> BaseException | None:
     return None
 
 
+# --------------------------------------------------------------------------------- the parser
 T = TypeVar("T")
 
-#: ``--SECTION.`` prefix -> the config whose ``renamed_fields`` its flags are checked against.
-#: jsonargparse refuses an old flag in its own multi-line message that never names the new field.
-_RENAMED_FLAG_SECTIONS = {"--compression.": CompressionEvalConfig}
+#: The commands, in ``--help`` order. ``pretrain`` is ``fit`` under the name the recipes use.
+COMMANDS: dict[str, Callable[..., Any]] = {
+    "fit": fit, "pretrain": fit, "vlm": vlm, "evaluate": evaluate, "generate": generate,
+    "export": export, "fetch": fetch,
+}  # fmt: skip
 
 
-def _refuse_renamed_flags(argv: list[str]) -> None:
-    for arg in argv:
-        flag = arg.split("=", 1)[0]
-        for prefix, cls in _RENAMED_FLAG_SECTIONS.items():
-            old = flag.removeprefix(prefix)
-            if flag.startswith(prefix) and old in cls.renamed_fields:
-                new = cls.renamed_fields[old]
-                raise ConfigError(
-                    f"{cls.__name__}.{old} was renamed to {cls.__name__}.{new} "
-                    f"(docs/architecture.md#words); pass {prefix}{new}"
-                )
+#: Commands whose sections together are one run config: ``--print_config`` prints it.
+_RUN_CONFIGS = {"fit": RunConfig, "pretrain": RunConfig}
 
 
-def _check_config_files(argv: list[str]) -> None:
-    """Read every ``--config FILE`` safely first: a tag (``!!python/object``), a syntax error or
-    non-UTF-8 text is one line naming the file and the line, before the parser sees it."""
-    from unicache_train.validation import load_yaml_file
+def _config_class(hint: Any) -> tuple[type | None, bool]:
+    """(the config dataclass behind a parameter's annotation, whether it may be None)."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    cand = next((a for a in args if a is not type(None)), None) if args else hint
+    if isinstance(cand, type) and dataclasses.is_dataclass(cand):
+        return cand, optional
+    return None, optional
 
-    for i, arg in enumerate(argv):
-        key, eq, value = arg.partition("=")
-        if key == "--config":
-            path = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-            if path is not None and Path(path).is_file():
-                load_yaml_file(path)
+
+def _signature(fn: Callable[..., Any]) -> tuple[dict[str, tuple[type, bool]], dict[str, Any]]:
+    """A command's sections (name -> (config class, optional)) and options (name -> annotation)."""
+    hints = typing.get_type_hints(fn)
+    sections, options = {}, {}
+    for name in inspect.signature(fn).parameters:
+        cls, optional = _config_class(hints[name])
+        if cls is not None:
+            sections[name] = (cls, optional)
+        else:
+            options[name] = hints[name]
+    return sections, options
+
+
+def _option_value(command: str, name: str, hint: Any, value: Any) -> Any:
+    """An option's value, read as a YAML scalar, checked against the parameter's type."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if value is None and (type(None) in typing.get_args(hint)):
+        return None
+    if str in args and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        return str(value)  # a prompt of digits is still text
+    if float in args and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if any(isinstance(value, a) and not (a is int and isinstance(value, bool)) for a in args):
+        return value
+    names = " or ".join(getattr(a, "__name__", str(a)) for a in args)
+    raise ConfigError(f"{command} --{name}={value!r}: expected {names}")
+
+
+def _parse(command: str, argv: Sequence[str]) -> tuple[dict[str, Any], bool]:
+    """A command's arguments -> (its keyword arguments, whether ``--print_config`` was given)."""
+    fn = COMMANDS[command]
+    sections, options = _signature(fn)
+    args = list(argv)
+    print_config = "--print_config" in args and command in _RUN_CONFIGS | {"vlm": None}
+    if print_config:
+        args.remove("--print_config")
+    described: dict[str, Section] = {name: cls for name, (cls, _) in sections.items()}
+    if options:
+        described[command] = f"the options of {command} (--NAME VALUE)"
+    flags = {f"--{name}": f"{command}.{name}" for name in options}
+    bools = [f"--{name}" for name, hint in options.items() if hint is bool]
+    doc = inspect.getdoc(fn)
+    data = parse_args(args, described, doc=doc, usage=f"unicache-train {command}", flags=flags,
+                      bool_flags=bools)  # fmt: skip
+    given = data.pop(command, None) or {}
+    if not isinstance(given, dict):
+        raise ConfigError(f"{command}: expected --NAME VALUE options, got {given!r}")
+    unknown = sorted(set(given) - set(options))
+    if unknown:
+        raise ConfigError(f"{command}: unknown option(s) {unknown}; known: {sorted(options)}")
+    kwargs: dict[str, Any] = {}
+    params = inspect.signature(fn).parameters
+    for name, hint in options.items():
+        if name in given:
+            kwargs[name] = _option_value(command, name, hint, given[name])
+        elif params[name].default is inspect.Parameter.empty:
+            raise ConfigError(f"{command}: --{name} is required")
+    if command in _RUN_CONFIGS or command == "vlm":
+        # NOTE: built as one run config, so that cross-section checks (RunConfig's) run too.
+        kwargs.update(_sections_of(_run_config_class(command).from_dict(data)))
+    else:
+        for name, (cls, optional) in sections.items():
+            if name in data or not optional:
+                kwargs[name] = build_section(cls, data, name)
+            else:
+                kwargs[name] = None
+    return kwargs, print_config
+
+
+def _run_config_class(command: str) -> type:
+    if command == "vlm":
+        from unicache_train.train.vlm import VLMRunConfig
+
+        return VLMRunConfig
+    return _RUN_CONFIGS[command]
+
+
+def _sections_of(config: Any) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
 def report_user_errors(fn: Callable[[], T]) -> T:
@@ -507,22 +511,27 @@ def report_user_errors(fn: Callable[[], T]) -> T:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``unicache-train`` console script."""
-    from jsonargparse import CLI
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: unicache-train COMMAND [--config FILE.yaml] [--OPTION VALUE ...] "
+              "[section.field=value ...]\n\ncommands: " + ", ".join(COMMANDS)
+              + "\n\nunicache_train: mHC hyper-connections and compression-aware KV-cache "
+              "fine-tuning. `unicache-train COMMAND --help` lists a command's options and "
+              "fields.")  # fmt: skip
+        raise SystemExit(0 if args else 2)
+    command, rest = args[0], args[1:]
 
     def run() -> None:
-        args = list(sys.argv[1:] if argv is None else argv)
-        _refuse_renamed_flags(args)
-        _check_config_files(args)
-        args = _fold_compress_flags(args)
-        CLI(
-            {"fit": fit, "pretrain": fit, "vlm": vlm, "evaluate": evaluate,
-             "generate": generate, "export": export, "fetch": fetch},
-            args=args,
-            # Required parameters as --options (``evaluate --checkpoint X``, as the README has).
-            as_positional=False,
-            description="unicache_train: mHC hyper-connections and compression-aware "
-            "KV-cache fine-tuning. Run `unicache-train SUBCOMMAND --help` for details.",
-        )
+        if command not in COMMANDS:
+            raise ConfigError(f"unknown command {command!r}; choose one of {list(COMMANDS)}")
+        kwargs, print_config = _parse(command, rest)
+        if print_config:
+            import yaml
+
+            config = _run_config_class(command)(**kwargs)
+            print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+            raise SystemExit(0)
+        COMMANDS[command](**kwargs)
 
     report_user_errors(run)
 

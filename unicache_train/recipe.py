@@ -1,26 +1,20 @@
-"""What the scripts under ``recipes/`` share: one command line, the results CSV, and the stages of
+"""What the scripts under ``recipes/`` share: the command line, the results CSV, and the stages of
 the fine-tune-from-a-base recipes. Recipes import this module and never each other.
 
-Every recipe takes the same arguments::
+Every recipe takes the arguments of every ``unicache-train`` command (one grammar, one parser:
+:mod:`unicache_train.commandline`)::
 
-    python recipes/NAME.py [--config FILE.yaml] [FLAG VALUE ...] [section.field=value ...]
+    python recipes/NAME.py [--config FILE.yaml] [--OPTION VALUE ...] [section.field=value ...]
     fabric run --accelerator cpu --devices 2 --strategy ddp recipes/NAME.py [...]
 
-* ``--config FILE.yaml`` replaces the recipe's default YAML;
-* ``section.field=value`` overrides are applied to the loaded YAML (values read as YAML scalars:
-  :func:`~unicache_train.validation.apply_overrides`, the same as ``RunConfig.load``);
-* ``FLAG VALUE`` is a recipe's short spelling of one override (``--checkpoint X`` is
-  ``recipe.base_checkpoint=X``);
-* ``-h`` / ``--help`` prints the recipe's docstring and every field of its sections, with the
-  value the recipe would run with.
-
-The recipe then builds its typed configs from the resulting mapping, one section each
-(:func:`parse_recipe_args`).
+``--config`` replaces the recipe's YAML; ``--OPTION VALUE`` is a recipe's short spelling of one
+override (``--checkpoint X`` is ``recipe.base_checkpoint=X``); ``-h`` lists every field with the
+value the recipe would run with. The recipe then builds its typed configs from the mapping, one
+section each (:func:`build_section`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 import shlex
@@ -30,16 +24,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from unicache_train.train.config import RunConfig, deep_merge, pop_config_path
+from unicache_train.commandline import (
+    Section,
+    build_section,
+    config_sections,
+    help_text,
+    parse_args,
+    read_config_file,
+)
+from unicache_train.train.config import RunConfig
 from unicache_train.validation import (
     ConfigBase,
     ConfigError,
-    apply_overrides,
-    build_config,
     check_int,
-    load_yaml_file,
+    deep_merge,
 )
 
 __all__ = [
@@ -57,19 +55,15 @@ __all__ = [
     "evaluate_stage",
 ]
 
-#: A section of a recipe's config: a config dataclass (its fields are listed by ``--help``) or a
-#: one-line description (a mapping the recipe reads itself, e.g. overrides of another config).
-Section = type | str
+
+def _usage(default_yaml: str | Path) -> str:
+    path = Path(default_yaml)
+    return f"python recipes/{path.stem}.py" if path.parent.name == "recipes" else "RECIPE.py"
 
 
-# --------------------------------------------------------------------------------- command line
 def run_sections(config_cls: type = RunConfig, exclude: Sequence[str] = ()) -> dict[str, Section]:
-    """The sections of a run config dataclass (``model``, ``data``, ``train``, ...) and their
-    types, for :func:`parse_recipe_args`."""
-    import typing
-
-    hints = typing.get_type_hints(config_cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(config_cls) if f.name not in exclude}
+    """The sections of a run config dataclass (``model``, ``data``, ``train``, ...)."""
+    return config_sections(config_cls, exclude)
 
 
 def parse_recipe_args(
@@ -81,70 +75,10 @@ def parse_recipe_args(
     flags: Mapping[str, str] | None = None,
     defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A recipe's command line -> its config as one nested mapping (see the module docstring).
-
-    Args:
-        argv: the arguments after the script name.
-        default_yaml: the YAML read when ``--config`` is absent.
-        sections: the top-level sections allowed, in ``--help`` order.
-        doc: the recipe's docstring, printed first by ``--help``.
-        flags: short spellings, ``{"--checkpoint": "recipe.base_checkpoint"}``.
-        defaults: values the recipe sets in code, under the YAML's (e.g. a path next to the
-            recipe file).
-
-    Returns:
-        ``defaults``, the YAML merged on top, then the overrides applied.
-
-    Raises:
-        SystemExit: after printing the help (``-h`` / ``--help``).
-        ConfigError: a malformed argument or an unknown section, named.
-        FileNotFoundError: the YAML does not exist.
-    """
-    args = list(argv)
-    flags = dict(flags or {})
-    if any(a in ("-h", "--help") for a in args):
-        print(recipe_help(doc, default_yaml, sections, flags, defaults))
-        raise SystemExit(0)
-    path, rest = pop_config_path(args, default_yaml)
-    overrides = _expand_flags(rest, flags)
-    data = deep_merge(dict(defaults or {}), _read_mapping(path))
-    apply_overrides(data, overrides)
-    unknown = sorted(set(data) - set(sections))
-    if unknown:
-        raise ConfigError(f"unknown section(s) {unknown}; known: {sorted(sections)}")
-    return data
-
-
-def _read_mapping(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    data = load_yaml_file(path) or {}  # safe: tags refused, errors name the file and line
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-    return data
-
-
-def _expand_flags(args: list[str], flags: dict[str, str]) -> list[str]:
-    """``--flag VALUE`` / ``--flag=VALUE`` -> ``target=VALUE``; every other argument must be an
-    override (``section.field=value``)."""
-    out = []
-    i = 0
-    while i < len(args):
-        key, eq, value = args[i].partition("=")
-        if key in flags:
-            if not eq:
-                if i + 1 >= len(args):
-                    raise ConfigError(f"{key} needs a value ({key} VALUE)")
-                value = args[i + 1]
-                i += 1
-            out.append(f"{flags[key]}={value}")
-        elif key.startswith("-") and not eq:
-            known = ["--config", *flags, "-h", "--help"]
-            raise ConfigError(f"unknown flag {key!r}; known: {known} and section.field=value")
-        else:
-            out.append(args[i])
-        i += 1
-    return out
+    """A recipe's command line -> its config as one nested mapping
+    (:func:`unicache_train.commandline.parse_args` with the recipe's YAML as the default)."""
+    return parse_args(argv, sections, doc=doc, usage=_usage(default_yaml),
+                      default_yaml=default_yaml, flags=flags, defaults=defaults)  # fmt: skip
 
 
 def recipe_help(
@@ -154,106 +88,8 @@ def recipe_help(
     flags: Mapping[str, str] | None = None,
     defaults: Mapping[str, Any] | None = None,
 ) -> str:
-    """The ``--help`` text: the docstring, the usage line, the flags, then every field of every
-    section with the value it has in the default YAML (else the dataclass default)."""
-    path = Path(default_yaml)
-    script = f"recipes/{path.stem}.py" if path.parent.name == "recipes" else "RECIPE.py"
-    given = deep_merge(dict(defaults or {}), _read_mapping(path) if path.is_file() else {})
-    metavars = {f: t.rpartition(".")[2].upper() for f, t in (flags or {}).items()}
-    lines = [
-        (doc or "").strip(),
-        "",
-        f"usage: [python | fabric run ...] {script} [--config FILE.yaml]"
-        + "".join(f" [{f} {m}]" for f, m in metavars.items())
-        + " [section.field=value ...]",
-        "",
-        f"  --config FILE.yaml   replaces the default config, {_shown(path)}",
-    ]
-    lines += [f"  {f} {m}   = {flags[f]}={m}" for f, m in metavars.items()]
-    lines += ["", "fields (section.field=value; shown with the value this run would use):"]
-    for name, section in sections.items():
-        value = given.get(name)
-        if isinstance(section, str):
-            lines.append(f"  {name}.*   {section}")
-            if isinstance(value, dict) and value:
-                lines += _field_lines(name, None, value)
-        elif dataclasses.is_dataclass(section):
-            # A field filled from a top-level section of its name is listed there.
-            lifted = set(sections) - {name}
-            sub = value if isinstance(value, dict) else {}
-            lines += _field_lines(name, section, sub, skip=lifted)
-        else:
-            lines.append(f"  {name} = {_flow(value)}")
-    return "\n".join(lines)
-
-
-def _shown(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
-def _field_lines(
-    prefix: str, cls: type | None, given: dict[str, Any], skip: set[str] | frozenset = frozenset()
-) -> list[str]:
-    """``prefix.field: type = value`` per field of ``cls`` (nested config dataclasses expanded);
-    without a class, the keys of ``given``."""
-    if cls is None:
-        return [f"  {prefix}.{k} = {_flow(v)}" for k, v in given.items()]
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        hint = hints.get(f.name)
-        value = given.get(f.name, _default(f))
-        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-            sub = value if isinstance(value, dict) else {}
-            out += _field_lines(f"{prefix}.{f.name}", hint, sub)
-            continue
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            value = dataclasses.asdict(value)
-        out.append(f"  {prefix}.{f.name}: {f.type} = {_flow(value)}")
-    return out
-
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return "(required)"
-
-
-def _flow(value: Any) -> str:
-    """A value as one line of YAML (what an override would write)."""
-    if isinstance(value, Path):
-        value = str(value)
-    return yaml.safe_dump([value], default_flow_style=True, width=10**6).strip()[1:-1]
-
-
-def build_section(cls: type, data: dict[str, Any], name: str, lifted: Sequence[str] = ()) -> Any:
-    """Config dataclass ``cls`` from the section ``name`` of a recipe's mapping (popped).
-
-    Args:
-        lifted: fields of ``cls`` filled from top-level sections of the same name (also popped;
-            e.g. ``pretrain``: the overrides of the base pretraining, written
-            ``pretrain.train.max_steps=200``), refused inside the section itself.
-    """
-    section = data.pop(name, None) or {}
-    if not isinstance(section, dict):
-        raise ConfigError(f"{name}: expected a mapping of fields, got {section!r}")
-    for key in lifted:
-        if key in section:
-            raise ConfigError(f"{name}.{key}: write {key}.SECTION.FIELD=VALUE instead")
-        value = data.pop(key, None) or {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of overrides, got {value!r}")
-        section[key] = value
-    return build_config(cls, section, name)
+    """A recipe's ``--help`` text (:func:`unicache_train.commandline.help_text`)."""
+    return help_text(doc, _usage(default_yaml), default_yaml, sections, flags, (), defaults)
 
 
 def run_recipe(default_yaml: str | Path, argv: Sequence[str] | None = None, doc: str | None = None):
@@ -390,7 +226,7 @@ def pretrain_base(options: FinetuneOptions, ft: RunConfig) -> Path:
         },
         "logging": {"logger": ft.logging.logger},
     }
-    data = deep_merge(deep_merge(_read_mapping(path), forced), options.pretrain)
+    data = deep_merge(deep_merge(read_config_file(path), forced), options.pretrain)
     fit(RunConfig.from_dict(data))
     return out / "checkpoints" / "last.ckpt"
 

@@ -186,23 +186,16 @@ def check_bool(obj: Any, name: str) -> None:
 
 
 # --------------------------------------------------------------------------------- base class
-# NOTE: a dataclass without fields, not a plain mixin: jsonargparse (the CLI) treats a dataclass
-# with a non-dataclass base as a class to instantiate, not as nested config keys.
 @dataclass
 class ConfigBase:
     """Mixin of the config dataclasses: ``to_dict``, ``from_dict``, ``save``, ``load``.
 
-    A field annotated with another :class:`ConfigBase` dataclass is built from a nested mapping
-    (``RunConfig.model`` from ``{"hidden_size": 64}``); a field whose annotation is a union
-    (``dict | UniCacheConfig | None``) receives the value as is, for its ``__post_init__``.
-    Unknown keys are refused, naming the section: ``unknown field(s) ['hiden_size'] in model``;
-    a field named in :attr:`renamed_fields` is refused naming its new name.
+    A field annotated with another :class:`ConfigBase` dataclass (or ``X | None``) is built from
+    a nested mapping (``RunConfig.model`` from ``{"hidden_size": 64}``). A config whose nested
+    sections take defaults from one of its own fields (a preset) completes the mapping in
+    :meth:`complete_mapping` first. Unknown keys are refused, naming the section:
+    ``unknown field(s) ['hiden_size'] in model``.
     """
-
-    #: Fields renamed since an earlier release, old name -> new name: :meth:`from_dict` refuses
-    #: an old name in one line that gives the new one (``XKVConfig.ratio was renamed to
-    #: XKVConfig.reduction``), instead of listing every known field.
-    renamed_fields: ClassVar[dict[str, str]] = {}
 
     #: How error messages name this config as the root of :meth:`from_dict`: the class name by
     #: default (sections then read ``UniCacheConfig.head_merge``); ``""`` names the sections by
@@ -240,21 +233,26 @@ class ConfigBase:
 
 def check_nested(obj: Any) -> None:
     """Every field of ``obj`` annotated with a config dataclass must hold an instance of it."""
-    for name, sub in _subconfigs(type(obj)).items():
+    for name, (sub, optional) in _subconfigs(type(obj)).items():
         value = getattr(obj, name)
-        if not isinstance(value, sub):
+        if not isinstance(value, sub) and not (optional and value is None):
             raise ConfigError(f"{type(obj).__name__}.{name}={value!r}: expected a {sub.__name__}")
 
 
 @functools.cache
-def _subconfigs(cls: type) -> dict[str, type]:
-    """Fields of dataclass ``cls`` annotated with exactly one :class:`ConfigBase` dataclass."""
+def _subconfigs(cls: type) -> dict[str, tuple[type, bool]]:
+    """Fields of dataclass ``cls`` annotated with one :class:`ConfigBase` dataclass ``X`` or with
+    ``X | None``: name -> (``X``, whether None is allowed)."""
     hints = typing.get_type_hints(cls)
-    return {
-        f.name: hints[f.name]
-        for f in dataclasses.fields(cls)
-        if isinstance(hints.get(f.name), type) and issubclass(hints[f.name], ConfigBase)
-    }
+    out = {}
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        args = typing.get_args(hint)
+        optional = len(args) == 2 and type(None) in args
+        cand = next(a for a in args if a is not type(None)) if optional else hint
+        if isinstance(cand, type) and issubclass(cand, ConfigBase):
+            out[f.name] = (cand, optional)
+    return out
 
 
 def build_config(cls: type[C], data: Any, where: str) -> C:
@@ -269,14 +267,10 @@ def build_config(cls: type[C], data: Any, where: str) -> C:
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{where or cls.__name__}: expected a mapping, got {data!r}")
+    complete = getattr(cls, "complete_mapping", None)
+    if complete is not None:
+        data = complete(dict(data))
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    renamed = getattr(cls, "renamed_fields", {})
-    for old in sorted(set(data) & set(renamed) - known):
-        at = f"{where}." if where else ""
-        raise ConfigError(
-            f"{at}{old} was renamed to {at}{renamed[old]} (docs/architecture.md#words); "
-            "rename the field"
-        )
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(
@@ -285,8 +279,19 @@ def build_config(cls: type[C], data: Any, where: str) -> C:
     subs = _subconfigs(cls)
     kwargs = {}
     for name, value in data.items():
-        sub = subs.get(name)
+        sub, _ = subs.get(name, (None, False))
         if sub is not None and isinstance(value, dict):
             value = build_config(sub, value, f"{where}.{name}".strip("."))
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` merged into a copy of ``base``, recursing into nested mappings."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out

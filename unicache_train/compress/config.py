@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from unicache_train.validation import (
     ConfigBase,
@@ -536,15 +536,8 @@ class XKVConfig(ConfigBase):
     gradient: str = "exact"
     cache_dtype_bytes: int = 2
 
-    renamed_fields: ClassVar[dict[str, str]] = {"ratio": "reduction"}
-
     def __post_init__(self) -> None:
         check_int(self, "group_size", 1, 4)
-        if self.rank_mode == "ratio":
-            raise ConfigError(
-                "XKVConfig.rank_mode='ratio' was renamed to 'reduction' "
-                "(docs/architecture.md#words); choose one of ['fraction', 'energy', 'reduction']"
-            )
         check_choice(self, "rank_mode", ("fraction", "energy", "reduction"))
         check_range(self, "rank_fraction", 0.0, 1.0, lo_open=True)
         check_range(self, "energy", 0.0, 1.0, lo_open=True)

@@ -2,7 +2,7 @@
 
 - :mod:`~unicache_train.eval.perplexity`: validation perplexity (``unicache-train evaluate``).
 - :mod:`~unicache_train.eval.sweep`: quality under KV compression across rates and xKV reductions
-  (``evaluate --compression.*``): perplexity on continuations, recall, attention and output KL,
+  (``evaluate sweep.*``): perplexity on continuations, recall, attention and output KL,
   KV bytes, the quality checks.
 - :mod:`~unicache_train.eval.attn_kl`: attention KL between the plain and compressed forwards.
 - :mod:`~unicache_train.eval.synthetic_recall`: recall of the bundled synthetic task (tiny

@@ -47,7 +47,7 @@ import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -91,7 +91,7 @@ QUALITY_ACC_DROP_MAX = 0.05
 
 @dataclass
 class CompressionEvalConfig:
-    """What :func:`evaluate_compression` measures (the ``--compression.*`` CLI options).
+    """What :func:`evaluate_compression` measures (``unicache-train evaluate``'s ``sweep.*`` fields).
 
     Attributes:
         rates: UniCache target rates to evaluate (fraction of context tokens removed).
@@ -132,8 +132,6 @@ class CompressionEvalConfig:
     out_dir: str = "eval_compress"
     name: str = "compression_eval"
     xkv_reductions: list[float] = field(default_factory=list)
-    #: old field -> new field (docs/architecture.md#words); the CLI refuses the old flag by name
-    renamed_fields: ClassVar[dict[str, str]] = {"xkv_ratios": "xkv_reductions"}
     xkv: dict[str, Any] = field(default_factory=dict)
     xkv_token_rate: float | None = None
     match_unicache: bool = True
@@ -146,12 +144,6 @@ class CompressionEvalConfig:
             raise ConfigError(
                 f"CompressionEvalConfig.xkv_reductions={self.xkv_reductions!r}: expected a list "
                 "of KV reductions in [1, 64]"
-            )
-        for old in sorted(set(self.xkv) & set(XKVConfig.renamed_fields)):
-            new = XKVConfig.renamed_fields[old]
-            raise ConfigError(
-                f"CompressionEvalConfig.xkv.{old} was renamed to CompressionEvalConfig.xkv.{new} "
-                "(docs/architecture.md#words); rename the field"
             )
         for r in self.xkv_reductions:
             XKVConfig(**{**self.xkv, "rank_mode": "reduction", "reduction": r})  # validates both

@@ -6,7 +6,6 @@ be reloaded with :meth:`RunConfig.load`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 from unicache_train.compress.config import UniCacheConfig, XKVConfig
@@ -19,6 +18,7 @@ from unicache_train.validation import (
     check_choice,
     check_int,
     check_range,
+    deep_merge,
 )
 
 # Lightning's registered DeepSpeed names (offload variants included); ``deepspeed`` = stage 2.
@@ -182,15 +182,13 @@ class CompressionTrainConfig(ConfigBase):
             SVD of the kept entries; UniCache's head merging and quantization are switched off
             there, see :mod:`unicache_train.compress.xkv`) or ``"none"`` (the identity
             compressor: same splits and loss, nothing compressed; the A/B control).
-        preset: UniCache preset the ``unicache`` overrides apply to (see
-            :mod:`unicache_train.compress.presets`).
-        unicache: the UniCache configuration. A mapping (YAML) is deep-merged onto ``preset``;
-            a :class:`UniCacheConfig` is used as is; None is the preset. Always a resolved
+        preset: the UniCache preset (:mod:`unicache_train.compress.presets`): ``unicache``
+            when it is not given, and the base that a mapping's ``unicache`` overrides are merged
+            onto (YAML, ``compress.unicache.target_rate=0.5``: :meth:`complete_mapping`).
+        unicache: the UniCache configuration (None: the preset's); always a
             :class:`UniCacheConfig` after validation (saved in full next to checkpoints).
-        xkv: the xKV configuration (:class:`~unicache_train.compress.config.XKVConfig`): a
-            mapping (YAML) of overrides of its defaults, an ``XKVConfig``, or None (the
-            defaults). Always a resolved ``XKVConfig`` after validation; used by the methods
-            ``xkv`` and ``unicache+xkv``.
+        xkv: the xKV configuration (:class:`~unicache_train.compress.config.XKVConfig`), used by
+            the methods ``xkv`` and ``unicache+xkv``.
         split: ``"data"``: the data's split (``batch["split"]``, e.g. the answer of a recall
             prompt) where it is >= 0, else a random one; ``"random"``: always random.
         min_context: smallest random split (context tokens); random splits are drawn uniformly
@@ -213,10 +211,8 @@ class CompressionTrainConfig(ConfigBase):
     enabled: bool = False
     method: str = "unicache"
     preset: str = "default"
-    # NOTE: mapping first, so a parser reading this annotation (jsonargparse) keeps a YAML/JSON
-    # mapping as a mapping, which is then merged onto the preset instead of replacing it.
-    unicache: dict[str, Any] | UniCacheConfig | None = None
-    xkv: dict[str, Any] | XKVConfig | None = None
+    unicache: UniCacheConfig | None = None
+    xkv: XKVConfig = field(default_factory=XKVConfig)
     split: str = "data"
     min_context: int = 16
     seed: int = 0
@@ -225,6 +221,15 @@ class CompressionTrainConfig(ConfigBase):
     kl_temperature: float = 1.0
     curriculum_steps: int = 0
     val_compressed: bool = True
+
+    @classmethod
+    def complete_mapping(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """A mapping's ``unicache`` overrides merged onto its ``preset`` (the preset's settings
+        survive an override of one field), before the section is built."""
+        preset = data.get("preset", "default")
+        if isinstance(data.get("unicache"), dict) and preset in PRESETS:
+            data["unicache"] = deep_merge(PRESETS[preset]().to_dict(), data["unicache"])
+        return data
 
     def __post_init__(self) -> None:
         for name in ("enabled", "val_compressed"):
@@ -241,36 +246,20 @@ class CompressionTrainConfig(ConfigBase):
         check_range(self, "kl_weight", 0, 1000)
         check_range(self, "kl_temperature", 0, 100, lo_open=True)
         check_int(self, "curriculum_steps", 0)
-        if self.unicache is None or isinstance(self.unicache, dict):
-            base = PRESETS[self.preset]().to_dict()
-            self.unicache = UniCacheConfig.from_dict(deep_merge(base, self.unicache or {}))
-        elif not isinstance(self.unicache, UniCacheConfig):
-            raise ConfigError(
-                f"CompressionTrainConfig.unicache={self.unicache!r}: expected a mapping or a "
-                "UniCacheConfig"
-            )
-        if self.xkv is None or isinstance(self.xkv, dict):
-            self.xkv = XKVConfig.from_dict(self.xkv or {})
-        elif not isinstance(self.xkv, XKVConfig):
-            raise ConfigError(
-                f"CompressionTrainConfig.xkv={self.xkv!r}: expected a mapping or an XKVConfig"
-            )
+        if self.unicache is None:
+            self.unicache = PRESETS[self.preset]()
+        for name, cls in (("unicache", UniCacheConfig), ("xkv", XKVConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(
+                    f"CompressionTrainConfig.{name}={getattr(self, name)!r}: expected a "
+                    f"{cls.__name__} (a mapping of overrides goes through "
+                    "CompressionTrainConfig.from_dict)"
+                )
         if self.method == "unicache+xkv" and self.xkv.gradient != "exact":
             raise ConfigError(
                 f"CompressionTrainConfig.xkv.gradient={self.xkv.gradient!r} is not allowed with "
                 "method 'unicache+xkv'; choose 'exact'"
             )
-
-
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``over`` merged into a copy of ``base``, recursing into nested mappings."""
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 @dataclass
@@ -286,20 +275,3 @@ class RunConfig(ConfigBase):
 
     #: Sections are named by their keys in errors (``unknown field(s) [...] in model``).
     config_path: ClassVar[str | None] = ""
-
-
-def pop_config_path(args: list[str], default: str | Path) -> tuple[Path, list[str]]:
-    """Split ``--config FILE.yaml`` off command-line arguments.
-
-    Returns:
-        (the YAML path, ``default`` when the flag is absent; the other arguments).
-    """
-    rest = list(args)
-    path = Path(default)
-    if "--config" in rest:
-        i = rest.index("--config")
-        if i + 1 >= len(rest):
-            raise ConfigError("--config needs a YAML path")
-        path = Path(rest[i + 1])
-        del rest[i : i + 2]
-    return path, rest

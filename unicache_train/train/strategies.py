@@ -69,8 +69,8 @@ from unicache_train.checkpoint.zero import (
     to_universal_checkpoint,
     zero_world_size,
 )
-from unicache_train.train.config import RunConfig, deep_merge
-from unicache_train.validation import ConfigError
+from unicache_train.train.config import RunConfig
+from unicache_train.validation import ConfigError, deep_merge
 
 __all__ = [
     "build_strategy",
