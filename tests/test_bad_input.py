@@ -68,7 +68,7 @@ def files(tmp_path_factory) -> dict[str, str]:
 # argv (with {ckpt}, {empty}, {dir} filled in) -> a fragment of the one-line error.
 CLI_CASES = {
     "fit lr negative": (["fit", "train.lr=-1"],
-                        "TrainConfig.lr=-1.0 is out of range; allowed (0, 10]"),
+                        "TrainConfig.lr=-1 is out of range; allowed (0, 10]"),
     "fit rope_theta inf (yaml)": (["fit", "--config", "{inf_yaml}"],
                                   "ModelConfig.rope_theta=inf is out of range; allowed (0, inf)"),
     "fit hc_mult without mhc": (
@@ -143,8 +143,8 @@ def test_cli_bad_input_is_one_line_error_exit_2(case, files, capsys) -> None:
 @pytest.mark.parametrize("argv, fragment", [
     (["fit", "train.lr=abc"], "TrainConfig.lr='abc': expected a number in (0, 10], got str"),
     (["fit", "model.rope_theta=inf"], "ModelConfig.rope_theta='inf': expected a number"),
-    (["fit", "--no_such_flag", "1"], "unknown option '--no_such_flag'; known: ['--config'"),
-    (["fit", "train.max_steps"], "'train.max_steps': expected section.field=value or an --option"),
+    (["fit", "--no_such_flag", "1"], "unknown flag '--no_such_flag'; known: ['--config'"),
+    (["fit", "train.max_steps"], "override 'train.max_steps' must look like section.field=value"),
     (["generate", "--checkpoint", "x", "--prompt", "hi", "--max_new_tokens", "abc"],
      "generate --max_new_tokens='abc': expected int"),
 ])  # fmt: skip

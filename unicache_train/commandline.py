@@ -153,9 +153,7 @@ def _expand_flags(args: list[str], flags: dict[str, str], bools: set[str]) -> li
             out.append(f"{flags[key]}={value}")
         elif key.startswith("-"):
             known = ["--config", *flags, "-h", "--help"]
-            raise ConfigError(f"unknown option {key!r}; known: {known} and section.field=value")
-        elif not eq:
-            raise ConfigError(f"{args[i]!r}: expected section.field=value or an --option")
+            raise ConfigError(f"unknown flag {key!r}; known: {known} and section.field=value")
         else:
             out.append(args[i])
         i += 1

@@ -58,7 +58,8 @@ __all__ = [
 
 def _usage(default_yaml: str | Path) -> str:
     path = Path(default_yaml)
-    return f"python recipes/{path.stem}.py" if path.parent.name == "recipes" else "RECIPE.py"
+    name = f"recipes/{path.stem}.py" if path.parent.name == "recipes" else "RECIPE.py"
+    return f"[python | fabric run ...] {name}"
 
 
 def run_sections(config_cls: type = RunConfig, exclude: Sequence[str] = ()) -> dict[str, Section]:
