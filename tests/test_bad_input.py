@@ -373,9 +373,9 @@ API_CASES = {
         ConfigError, lambda: CompressionTrainConfig(unicache={"target_rate": 0.5}),
         "CompressionTrainConfig.unicache={'target_rate': 0.5}: expected a UniCacheConfig (a "
         "mapping of overrides goes through CompressionTrainConfig.from_dict)"),
-    "UniCacheCompressor rate_scale": raises(
-        ValueError, lambda: UniCacheCompressor().set_rate_scale(2),
-        "rate_scale=2 is out of range; allowed [0.0, 1.0]"),
+    "UniCacheCompressor curriculum_steps": raises(
+        ValueError, lambda: UniCacheCompressor(curriculum_steps=-1),
+        "ComposedCompressor.curriculum_steps=-1 is out of range; allowed an integer in [0, inf)"),
     # the model forward and generation
     "split negative": raises(ValueError, _forward(torch.tensor([-5, 3])),
                              "split=[-5, 3] is out of range; allowed [0, T] = [0, 8] per sample"),

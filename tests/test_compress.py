@@ -379,17 +379,19 @@ def test_mla_latent_cache_seam() -> None:
 
 
 def test_curriculum_moves_rate_scale_on_one_instance() -> None:
-    """A curriculum starts at rate 0 (identity) and raises the rate on the same compressor."""
+    """A compressor's own schedule starts at rate 0 (identity) and raises the rate on the same
+    instance, without writing into its config."""
     inp = make_input(H=3, twin_heads=True)
-    comp = UniCacheCompressor(UniCacheConfig(rate_scale=0.0, quantize=QuantizeConfig(bits=None)))
-    assert comp(inp).keys is inp.keys
+    cfg = UniCacheConfig(quantize=QuantizeConfig(bits=None))
+    comp = UniCacheCompressor(cfg, curriculum_steps=4)
+    assert comp.at_step(0) == 0.0 and comp(inp).keys is inp.keys
     removed = []
-    for scale in (0.25, 0.5, 1.0):
-        comp.set_rate_scale(scale)
+    for step in (1, 2, 4):
+        assert comp.at_step(step) == step / 4
         seg = comp(inp)
         check_segment(inp, seg)
         removed.append(float(seg.stats["rate_realized"]))
     assert removed[0] < removed[1] < removed[2]
-    assert comp.config.rate_scale == 1.0
-    with pytest.raises(ValueError, match="rate_scale"):
-        comp.set_rate_scale(1.5)
+    assert comp.at_step(None) == 1.0 and comp.config.rate_scale == 1.0
+    with pytest.raises(ValueError, match="curriculum_steps=-1"):
+        UniCacheCompressor(curriculum_steps=-1)

@@ -14,13 +14,13 @@ from unicache_train.data.config import DataConfig, SyntheticDataConfig
 from unicache_train.inloop import (
     compression_kl,
     continuation_mask,
-    curriculum_scale,
     sample_splits,
     step_generator,
 )
 from unicache_train.model import Decoder
 from unicache_train.model.config import ModelConfig
 from unicache_train.model.generate import decode_teacher_forced, generate_compressed
+from unicache_train.seam import curriculum_scale
 from unicache_train.train.config import (
     CompressionTrainConfig,
     LoggingConfig,
@@ -341,8 +341,11 @@ def test_curriculum_moves_rate_scale() -> None:
     assert [s[0] for s in seen] == [0.0, 0.5, 1.0, 1.0]
     assert [s[1] for s in seen] == [0.0, 0.5, 1.0, 1.0]
     assert seen[0][2] == 0.0 and seen[1][2] > 0.0 and seen[2][2] > seen[1][2]
-    assert m.config.compress.unicache.rate_scale == 1.0  # the run config is never edited
+    # the compressor owns its schedule: neither the run config nor its own config is edited
+    assert m.config.compress.unicache.rate_scale == 1.0
+    assert m.compressor.config.rate_scale == 1.0 and m.compressor.curriculum_steps == 10
     assert curriculum_scale(3, 0) == 1.0 and curriculum_scale(3, 6, 0.5) == 0.25
+    assert curriculum_scale(None, 6, 0.5) == 0.5  # the end of the schedule
 
 
 def test_sample_splits_data_random_padding_and_determinism() -> None:

@@ -433,8 +433,8 @@ def test_rate_scale_zero_is_the_identity_and_scales_the_rank() -> None:
     model = tiny()
     ids = torch.randint(0, V, (2, 30))
     split = torch.tensor([20, 12])
-    comp = XKVCompressor(XKVConfig(rank_mode="reduction", reduction=8.0))
-    comp.set_rate_scale(0.0)
+    comp = XKVCompressor(XKVConfig(rank_mode="reduction", reduction=8.0), curriculum_steps=2)
+    assert comp.at_step(0) == 0.0
     with torch.no_grad():
         out = model(ids, split=split, compressor=comp)
         plain = model(ids).logits
@@ -444,8 +444,9 @@ def test_rate_scale_zero_is_the_identity_and_scales_the_rank() -> None:
     rows = torch.tensor([100])
     half = select_rank(cfg, torch.ones(1, 64), 64, rows, rows, scale=0.5)
     assert int(half) == int(100 * 64 / (4.5 * 164))
-    with pytest.raises(ValueError, match="rate_scale"):
-        comp.set_rate_scale(1.5)
+    assert comp.at_step(1) == 0.5 and comp.at_step(None) == 1.0
+    with pytest.raises(ValueError, match="curriculum_steps=-1"):
+        XKVCompressor(curriculum_steps=-1)
 
 
 @pytest.mark.parametrize(

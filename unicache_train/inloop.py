@@ -46,8 +46,6 @@ __all__ = [
     "compression_kl",
     "InloopLoss",
     "inloop_loss",
-    "curriculum_scale",
-    "set_rate_scale",
     "step_generator",
 ]
 
@@ -56,8 +54,9 @@ def build_compressor(
     config: CompressionTrainConfig, model: torch.nn.Module | None = None
 ) -> KVCompressor:
     """The compressor a run trains with: UniCache, xKV, UniCache then xKV, or the identity (on
-    private copies of the configs, so that the curriculum's ``set_rate_scale`` never edits the
-    run config). For ``unicache+xkv`` UniCache's head merging and quantization are switched off
+    private copies of the configs), each owning its rate schedule (``curriculum_steps``: the
+    trainer calls :meth:`~unicache_train.seam.ScheduledCompressor.at_step`). For
+    ``unicache+xkv`` UniCache's head merging and quantization are switched off
     (xKV factorises the kept entries across heads and layers and stores 16-bit factors).
 
     A learned selection (``unicache.selection.method == "retention"``) has parameters: its
@@ -72,6 +71,7 @@ def build_compressor(
 
     cfg = config.unicache
     assert isinstance(cfg, UniCacheConfig)  # resolved by CompressionTrainConfig.__post_init__
+    steps = config.curriculum_steps
     if cfg.selection.method == "retention":
         if config.method != "unicache":
             raise ValueError(
@@ -86,18 +86,20 @@ def build_compressor(
         from unicache_train.compress.retention import attach_retention
 
         policy = attach_retention(model)
-        return UniCacheCompressor(UniCacheConfig.from_dict(cfg.to_dict()), retention=policy)
+        return UniCacheCompressor(UniCacheConfig.from_dict(cfg.to_dict()), retention=policy,
+                                  curriculum_steps=steps)  # fmt: skip
     if config.method == "unicache":
-        return UniCacheCompressor(UniCacheConfig.from_dict(cfg.to_dict()))
+        return UniCacheCompressor(UniCacheConfig.from_dict(cfg.to_dict()), curriculum_steps=steps)
     from unicache_train.compress.xkv import XKVCompressor
     from unicache_train.compress.xkv.compressor import token_config_for_xkv
 
     assert isinstance(config.xkv, XKVConfig)
     xkv = XKVConfig.from_dict(config.xkv.to_dict())
     if config.method == "xkv":
-        return XKVCompressor(xkv)
-    token = UniCacheCompressor(token_config_for_xkv(UniCacheConfig.from_dict(cfg.to_dict())))
-    return XKVCompressor(xkv, token_compressor=token)
+        return XKVCompressor(xkv, curriculum_steps=steps)
+    token_cfg = token_config_for_xkv(UniCacheConfig.from_dict(cfg.to_dict()))
+    token = UniCacheCompressor(token_cfg, curriculum_steps=steps)
+    return XKVCompressor(xkv, token_compressor=token, curriculum_steps=steps)
 
 
 def step_generator(seed: int, step: int, rank: int = 0, micro: int = 0) -> torch.Generator:
@@ -260,20 +262,3 @@ def inloop_loss(
     if aux is not None:
         loss = loss + aux
     return InloopLoss(loss, lm, kl, split, mask & (labels != IGNORE_INDEX), out, aux)
-
-
-def curriculum_scale(step: int, curriculum_steps: int, final: float = 1.0) -> float:
-    """``rate_scale`` at optimizer step ``step``: linear from 0 to ``final`` over
-    ``curriculum_steps`` steps (``final`` from the start when ``curriculum_steps`` is 0)."""
-    if curriculum_steps <= 0:
-        return final
-    return final * min(1.0, max(0, step) / curriculum_steps)
-
-
-def set_rate_scale(compressor: KVCompressor, scale: float) -> bool:
-    """Apply a curriculum value; False for compressors without a rate (the identity)."""
-    setter = getattr(compressor, "set_rate_scale", None)
-    if setter is None:
-        return False
-    setter(scale)
-    return True

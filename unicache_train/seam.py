@@ -40,6 +40,8 @@ __all__ = [
     "KVSegment",
     "CompressionInput",
     "KVCompressor",
+    "ScheduledCompressor",
+    "curriculum_scale",
     "IdentityCompressor",
     "RecordingCompressor",
     "RecordedContext",
@@ -324,6 +326,27 @@ class KVCompressor(Protocol):
     pre_rope: bool
 
     def __call__(self, inp: CompressionInput) -> KVSegment: ...
+
+
+@runtime_checkable
+class ScheduledCompressor(KVCompressor, Protocol):
+    """A compressor that owns a rate schedule (a curriculum from rate 0 to its configured rate).
+
+    The training loop tells it where it is, and nothing else: the compressor decides its rate and
+    never writes it into its config. ``at_step(step)`` moves to optimizer step ``step`` of the
+    schedule; ``at_step(None)`` to its end (evaluation, serving). Returns the rate scale in force
+    (the factor in [0, 1] applied to every configured rate).
+    """
+
+    def at_step(self, step: int | None) -> float: ...
+
+
+def curriculum_scale(step: int | None, curriculum_steps: int, final: float = 1.0) -> float:
+    """A linear schedule's rate scale at optimizer step ``step``: from 0 to ``final`` over
+    ``curriculum_steps`` steps (``final`` when ``curriculum_steps`` is 0 or ``step`` is None)."""
+    if step is None or curriculum_steps <= 0:
+        return final
+    return final * min(1.0, max(0, step) / curriculum_steps)
 
 
 def identity_segment(

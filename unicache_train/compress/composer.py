@@ -16,7 +16,7 @@ recomputed after any structural change. :class:`ComposedCompressor` takes any li
 stage order, so other methods (e.g. an xKV cross-layer step) plug in as one more step.
 
 Rate 0 (``rate_scale == 0``, or ``target_rate == 0`` with the fallback off), decided at every
-call so that a curriculum can start there (``set_rate_scale``), short-circuits to the identity:
+call so that a curriculum can start there (``at_step``), short-circuits to the identity:
 no head merging and no token removal, the input K/V tensors themselves are returned, so the
 in-loop forward is bit-for-bit the plain forward. An active quantizer (bits 4/8) still
 runs then: rate 0 with int8 keeps every entry but stores it in int8.
@@ -65,6 +65,7 @@ from unicache_train.seam import (
     IdentityCompressor,
     KVCompressor,
     KVSegment,
+    curriculum_scale,
     segment_kv_bytes,
     stored_heads,
     uncompressed_kv_bytes,
@@ -95,7 +96,10 @@ class ComposedCompressor:
         steps: callables ``state -> state``; if they declare ``stage`` it must not decrease
             (quantization last, fallback first).
         target_rate: default per-sample target before the fallback step.
-        rate_scale: curriculum factor in [0, 1].
+        rate_scale: the rate scale at the end of the schedule, in [0, 1] (a factor on every
+            rate; 0 is the identity).
+        curriculum_steps: optimizer steps over which :meth:`at_step` raises the scale linearly
+            from 0 to ``rate_scale`` (0: ``rate_scale`` from the start).
         window, neighbours, frame_stride, similarity: definition of the shared statistics
             (observation window, neighbour window); the importance step may override them.
         cache_dtype_bytes: bytes per element of the uncompressed baseline cache.
@@ -109,6 +113,7 @@ class ComposedCompressor:
         *,
         target_rate: float = 0.6,
         rate_scale: float = 1.0,
+        curriculum_steps: int = 0,
         window: int = 32,
         neighbours: int = 4,
         frame_stride: int = 0,
@@ -118,7 +123,8 @@ class ComposedCompressor:
         _check_number("target_rate", target_rate, 0.0, MAX_RATE)
         _check_number("rate_scale", rate_scale, 0.0, 1.0)
         for name, value, lo in (("window", window, 1), ("neighbours", neighbours, 0),
-                                ("frame_stride", frame_stride, 0)):
+                                ("frame_stride", frame_stride, 0),
+                                ("curriculum_steps", curriculum_steps, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ValueError(
                     f"ComposedCompressor.{name}={value!r} is out of range; allowed an integer "
@@ -145,6 +151,9 @@ class ComposedCompressor:
             )
         self.steps = list(steps)
         self.target_rate = target_rate
+        self.final_rate_scale = rate_scale
+        self.curriculum_steps = curriculum_steps
+        #: The scale in force (moved by :meth:`at_step`; the end of the schedule until then).
         self.rate_scale = rate_scale
         self.window, self.neighbours = window, neighbours
         self.frame_stride, self.similarity = frame_stride, similarity
@@ -157,11 +166,11 @@ class ComposedCompressor:
         """Rate 0: only steps marked ``runs_at_rate_zero`` (quantization) run."""
         return self.rate_scale == 0 or self.target_rate == 0
 
-    def set_rate_scale(self, rate_scale: float) -> None:
-        """Curriculum hook: set the factor in [0, 1] applied to every rate from the next call."""
-        if isinstance(rate_scale, bool) or not 0.0 <= float(rate_scale) <= 1.0:
-            raise ValueError(f"rate_scale={rate_scale!r} is out of range; allowed [0.0, 1.0]")
-        self.rate_scale = float(rate_scale)
+    def at_step(self, step: int | None) -> float:
+        """Move to optimizer step ``step`` of the rate schedule (None: its end); the scale in
+        force from the next call (:class:`~unicache_train.seam.ScheduledCompressor`)."""
+        self.rate_scale = curriculum_scale(step, self.curriculum_steps, self.final_rate_scale)
+        return self.rate_scale
 
     def run(self, inp: CompressionInput) -> CompressionState:
         """All intermediate results (rates, scores, protected tokens, segment) of one call."""
@@ -250,7 +259,11 @@ class UniCacheCompressor(ComposedCompressor):
     """
 
     def __init__(
-        self, config: UniCacheConfig | None = None, *, retention: RetentionPolicy | None = None
+        self,
+        config: UniCacheConfig | None = None,
+        *,
+        retention: RetentionPolicy | None = None,
+        curriculum_steps: int = 0,
     ) -> None:
         cfg = config if config is not None else UniCacheConfig()
         self.config = cfg
@@ -292,6 +305,7 @@ class UniCacheCompressor(ComposedCompressor):
             steps,
             target_rate=cfg.target_rate,
             rate_scale=cfg.rate_scale,
+            curriculum_steps=curriculum_steps,
             window=imp.window,
             neighbours=imp.neighbours,
             frame_stride=imp.frame_stride,
@@ -302,10 +316,6 @@ class UniCacheCompressor(ComposedCompressor):
     def is_rate_zero(self) -> bool:
         # The fallback sets a rate in [min_rate, max_rate] whatever target_rate says.
         return self.rate_scale == 0 or (self.target_rate == 0 and not self.config.fallback.enabled)
-
-    def set_rate_scale(self, rate_scale: float) -> None:
-        super().set_rate_scale(rate_scale)
-        self.config.rate_scale = self.rate_scale
 
     def compress_window(self, inp: CompressionInput) -> KVSegment | None:
         """A sliding-window layer's segment under ``quantize.windowed_layers``.

@@ -91,7 +91,8 @@ QUALITY_ACC_DROP_MAX = 0.05
 
 @dataclass
 class CompressionEvalConfig:
-    """What :func:`evaluate_compression` measures (``unicache-train evaluate``'s ``sweep.*`` fields).
+    """What :func:`evaluate_compression` measures (``unicache-train evaluate``'s ``sweep.*``
+    fields).
 
     Attributes:
         rates: UniCache target rates to evaluate (fraction of context tokens removed).

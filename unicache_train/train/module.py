@@ -14,17 +14,16 @@ from lightning.pytorch.utilities import rank_zero_warn
 from unicache_train.inloop import (
     build_compressor,
     continuation_mask,
-    curriculum_scale,
     inloop_loss,
     masked_nll,
     sample_splits,
-    set_rate_scale,
     step_generator,
 )
 from unicache_train.model import Decoder
 from unicache_train.model.loss import causal_lm_loss  # re-exported: recipes/scripts import it here
 from unicache_train.model.moe import expert_loads, load_stats, update_router_bias
 from unicache_train.monitor.metrics import layer_mean_stats
+from unicache_train.seam import ScheduledCompressor
 from unicache_train.train.config import RunConfig
 
 #: A learned selection's stats also logged per layer (``compress/retention_kept/layer_03``).
@@ -45,7 +44,7 @@ class LMModule(L.LightningModule):
     With ``config.compress.enabled`` each training step runs the in-loop compression forward
     (docs/architecture.md#in-loop-semantics): per-sample splits, context K/V compressed at every
     layer, loss on the continuation (+ optional KL to the uncompressed forward of the same model),
-    the rate curriculum applied through ``compressor.set_rate_scale``. Logged: ``train/loss``,
+    the compressor's own rate schedule (``at_step``). Logged: ``train/loss``,
     ``train/lm_loss``, ``train/kl`` (when ``kl_weight > 0``), ``compress/rate_scale`` and the
     compressor's stats over layers (``compress/kv_reduction``, ``compress/rate_realized``,
     ``compress/rate_realized/<modality>``, ...; :func:`~unicache_train.monitor.metrics.
@@ -117,6 +116,12 @@ class LMModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
+    def _rate_at(self, step: int | None) -> float:
+        """Move the compressor along its own rate schedule (nan: it has none, the identity)."""
+        if isinstance(self.compressor, ScheduledCompressor):
+            return self.compressor.at_step(step)
+        return float("nan")
+
     def compressed_loss(
         self, batch: dict[str, torch.Tensor], step: int, micro: int = 0
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
@@ -127,8 +132,7 @@ class LMModule(L.LightningModule):
         """
         cc = self.config.compress
         assert self.compressor is not None
-        scale = curriculum_scale(step, cc.curriculum_steps, cc.unicache.rate_scale)
-        set_rate_scale(self.compressor, scale)
+        scale = self._rate_at(step)
         # The decoder returns the uncompressed logits for the KL term (from a cross-layer
         # compressor's recording pass when that is free, else one forward without gradient);
         # the step reaches a cross-layer compressor's fit (its basis refresh schedule).
@@ -197,7 +201,7 @@ class LMModule(L.LightningModule):
             labels, batch.get("split"), mode=cc.split, min_context=cc.min_context, generator=gen
         )
         cont = continuation_mask(split, labels.shape[1])
-        set_rate_scale(self.compressor, cc.unicache.rate_scale)
+        self._rate_at(None)  # validation measures the end of the schedule
         comp = self.model_forward(batch, split=split, compressor=self.compressor).logits
         nll_plain, n = masked_nll(logits, labels, cont)
         nll_comp, _ = masked_nll(comp, labels, cont)

@@ -20,6 +20,8 @@ from unicache_train.seam import (
     KVSegment,
     LowRankKV,
     RecordedContext,
+    ScheduledCompressor,
+    curriculum_scale,
     identity_segment,
     segment_kv_bytes,
     uncompressed_kv_bytes,
@@ -48,13 +50,26 @@ class XKVCompressor:
     cross_layer: ClassVar[bool] = True
 
     def __init__(
-        self, config: XKVConfig | None = None, token_compressor: KVCompressor | None = None
+        self,
+        config: XKVConfig | None = None,
+        token_compressor: KVCompressor | None = None,
+        *,
+        curriculum_steps: int = 0,
     ) -> None:
         self.config = config if config is not None else XKVConfig()
         self.pre_rope = self.config.keys_pre_rope
         self.token_compressor = token_compressor
         if token_compressor is not None:
             _check_token_compressor(token_compressor, self.config)
+        if isinstance(curriculum_steps, bool) or not isinstance(curriculum_steps, int) or (
+            curriculum_steps < 0
+        ):
+            raise ValueError(
+                f"XKVCompressor.curriculum_steps={curriculum_steps!r} is out of range; allowed an "
+                "integer in [0, inf)"
+            )
+        self.curriculum_steps = curriculum_steps
+        #: The scale in force: 1 is the configured rank (moved by :meth:`at_step`).
         self.rate_scale = 1.0
         self._pooled: PooledBases = {}
         self._pooled_step: int | None = None
@@ -63,16 +78,14 @@ class XKVCompressor:
         return f"XKVCompressor({self.config!r}, token_compressor={self.token_compressor!r})"
 
     # ---------------------------------------------------------------------- curriculum
-    def set_rate_scale(self, rate_scale: float) -> None:
-        """Curriculum: 0 is no compression, 1 the configured rank (reduction, fraction or
-        energy move linearly from lossless to the setting); forwarded to the token
-        compressor."""
-        if isinstance(rate_scale, bool) or not 0.0 <= float(rate_scale) <= 1.0:
-            raise ValueError(f"rate_scale={rate_scale!r} is out of range; allowed [0.0, 1.0]")
-        self.rate_scale = float(rate_scale)
-        setter = getattr(self.token_compressor, "set_rate_scale", None)
-        if setter is not None:
-            setter(rate_scale)
+    def at_step(self, step: int | None) -> float:
+        """Move to optimizer step ``step`` of the schedule (None: its end): 0 is no compression,
+        1 the configured rank (reduction, fraction or energy move linearly from lossless to the
+        setting); the token compressor, if any, moves along its own schedule."""
+        self.rate_scale = curriculum_scale(step, self.curriculum_steps)
+        if isinstance(self.token_compressor, ScheduledCompressor):
+            self.token_compressor.at_step(step)
+        return self.rate_scale
 
     def is_rate_zero(self) -> bool:
         return self.rate_scale == 0.0
