@@ -383,7 +383,7 @@ def test_sample_splits_data_random_padding_and_determinism() -> None:
 ])  # fmt: skip
 def test_bad_compress_values_raise(field: str, value) -> None:
     # The message names the field; UniCache errors name the UniCache field (target_rate, bits).
-    expected = {"unicache": r"UniCacheConfig|QuantizeConfig"}.get(field, field)
+    expected = {"unicache": r"UniCacheConfig|QuantizeConfig|compress\.unicache"}.get(field, field)
     with pytest.raises(ConfigError, match=expected):
         RunConfig.from_dict({"compress": {field: value}})
 

@@ -9,7 +9,7 @@
 * ``--OPTION VALUE`` is the one spelling of a field that has no YAML of its own (a command's
   options: ``--checkpoint X`` is ``evaluate.checkpoint=X``) or a recipe's short spelling of one
   override (``--checkpoint X`` is ``recipe.base_checkpoint=X``); a boolean option is given bare
-  (``--compressed``) or with a value (``--compressed=false``);
+  (``--compressed``) or with a value (``--compressed false``, ``--compressed=false``);
 * ``-h`` / ``--help`` prints the docstring, the options and every field of every section with the
   value the run would use.
 
@@ -144,7 +144,12 @@ def _expand_flags(args: list[str], flags: dict[str, str], bools: set[str]) -> li
         key, eq, value = args[i].partition("=")
         if key in flags:
             if not eq and key in bools:
+                # bare, or followed by an explicit true/false
+                nxt = args[i + 1].lower() if i + 1 < len(args) else ""
                 value = "true"
+                if nxt in ("true", "false"):
+                    value = nxt
+                    i += 1
             elif not eq:
                 if i + 1 >= len(args):
                     raise ConfigError(f"{key} needs a value ({key} VALUE)")

@@ -141,13 +141,10 @@ def compression_config_of(policy: dict[str, Any] | None) -> CompressionTrainConf
     """The ``compress`` section a policy describes (``enabled=False`` for None)."""
     if policy is None or policy.get("method") == "none":
         return CompressionTrainConfig(enabled=False, method="none")
-    return CompressionTrainConfig(
-        enabled=True,
-        method=policy["method"],
-        preset=policy.get("preset", "default"),
-        unicache=policy.get("unicache"),
-        xkv=policy.get("xkv"),
-    )
+    preset = policy.get("preset", "default")
+    section = {"enabled": True, "method": policy["method"], "preset": preset}
+    section.update({k: policy[k] for k in ("unicache", "xkv") if policy.get(k) is not None})
+    return CompressionTrainConfig.from_dict(section)
 
 
 def compressor_from_policy(policy: dict[str, Any] | None):
