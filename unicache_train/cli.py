@@ -456,9 +456,10 @@ def _parse(command: str, argv: Sequence[str]) -> tuple[dict[str, Any], bool]:
         described[command] = f"the options of {command} (--NAME VALUE)"
     flags = {f"--{name}": f"{command}.{name}" for name in options}
     bools = [f"--{name}" for name, hint in options.items() if hint is bool]
+    texts = [f"--{name}" for name, hint in options.items() if str in (hint, *typing.get_args(hint))]
     doc = inspect.getdoc(fn)
     data = parse_args(args, described, doc=doc, usage=f"unicache-train {command}", flags=flags,
-                      bool_flags=bools)  # fmt: skip
+                      bool_flags=bools, text_flags=texts)  # fmt: skip
     given = data.pop(command, None) or {}
     if not isinstance(given, dict):
         raise ConfigError(f"{command}: expected --NAME VALUE options, got {given!r}")

@@ -89,6 +89,7 @@ def parse_args(
     default_yaml: str | Path | None = None,
     flags: Mapping[str, str] | None = None,
     bool_flags: Sequence[str] = (),
+    text_flags: Sequence[str] = (),
     defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A command line -> the config as one nested mapping (see the module docstring).
@@ -101,6 +102,8 @@ def parse_args(
         default_yaml: the YAML read when ``--config`` is absent (None: start from nothing).
         flags: options, ``{"--checkpoint": "evaluate.checkpoint"}``.
         bool_flags: the options among ``flags`` that take no value (given bare: true).
+        text_flags: the options among ``flags`` whose value is kept as written (a prompt: not
+            read as YAML, so ``"null"``, ``"1e3"`` and trailing spaces stay text).
         defaults: values set in code, under the YAML's (e.g. a path next to the recipe file).
 
     Returns:
@@ -118,8 +121,17 @@ def parse_args(
         raise SystemExit(0)
     path, rest = pop_config_path(args, default_yaml)
     overrides = _expand_flags(rest, flags, set(bool_flags))
+    texts = {flags[f] for f in text_flags}
     data = deep_merge(dict(defaults or {}), read_config_file(path) if path is not None else {})
-    apply_overrides(data, overrides)
+    apply_overrides(data, [o for o in overrides if o.partition("=")[0] not in texts])
+    for item in overrides:
+        target, _, value = item.partition("=")
+        if target in texts:
+            *parents, leaf = target.split(".")
+            node = data
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
     unknown = sorted(set(data) - set(sections))
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown}; known: {sorted(sections)}")
