@@ -36,18 +36,16 @@ from unicache_train.train.config import CompressionTrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY = ["--model.hidden_size", "32", "--model.intermediate_size", "64",
-        "--model.num_hidden_layers", "2", "--model.num_attention_heads", "2",
-        "--model.num_key_value_heads", "1", "--data.seq_len", "32", "--data.batch_size", "4",
-        "--data.synthetic.num_stories", "40", "--data.synthetic.num_recall", "40",
-        "--train.checkpoint_every_n_steps", "2", "--train.val_every_n_steps", "100",
-        "--train.accelerator", "cpu", "--train.progress_bar", "false",
-        "--logging.logger", "none", "--monitor.gain", "false"]  # fmt: skip
+TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
+        "model.num_attention_heads=2", "model.num_key_value_heads=1", "data.seq_len=32",
+        "data.batch_size=4", "data.synthetic.num_stories=40", "data.synthetic.num_recall=40",
+        "train.checkpoint_every_n_steps=2", "train.val_every_n_steps=100",
+        "train.accelerator=cpu", "train.progress_bar=false", "logging.logger=none",
+        "monitor.gain=false"]  # fmt: skip
 
 
 def fit_args(out_dir: Path, steps: int, *extra: str) -> list[str]:
-    return ["fit", *TINY, "--train.max_steps", str(steps), "--train.out_dir", str(out_dir),
-            *extra]  # fmt: skip
+    return ["fit", *TINY, f"train.max_steps={steps}", f"train.out_dir={out_dir}", *extra]
 
 
 def digest(root: Path) -> dict[str, str]:
@@ -166,13 +164,14 @@ def test_bad_fit_yaml_is_one_line_and_runs_nothing(tmp_path, marker, capsys, tex
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("flag", ["--train.lr", "--compress.unicache.target_rate"])
-def test_python_tag_in_a_cli_flag_runs_nothing(tmp_path, marker, capsys, flag):
-    """A typed flag is the parser's usage error (exit 2); a mapping flag is read by our safe
-    loader: either way the tag builds nothing."""
+@pytest.mark.parametrize("field", ["train.lr", "compress.unicache.target_rate"])
+def test_python_tag_in_a_cli_override_runs_nothing(tmp_path, marker, capsys, field):
+    """An override's value is read by our safe loader: the tag is refused (exit 2) and builds
+    nothing."""
     value = f'!!python/object/apply:os.system ["touch {marker}"]'
+    argv = ["fit", f"{field}={value}", f"train.out_dir={tmp_path}"]
     with pytest.raises(SystemExit) as exc:
-        report_user_errors(lambda: main(["fit", flag, value, "--train.out_dir", str(tmp_path)]))
+        report_user_errors(lambda: main(argv))
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err, err[-2000:]
     assert not marker.exists()
@@ -279,7 +278,7 @@ def test_bad_checkpoint_is_one_line_everywhere(run_copy, tmp_path, capsys, case,
 
 # ----------------------------------------------------------------------------- resume
 def _resume(run_dir: Path, steps: int, *extra: str) -> list[str]:
-    return fit_args(run_dir, steps, "--train.resume", "auto", *extra)
+    return fit_args(run_dir, steps, "train.resume=auto", *extra)
 
 
 @pytest.mark.parametrize("spoil", ["bytes changed", "truncated", "deleted"])
@@ -317,13 +316,13 @@ def test_resume_with_no_intact_checkpoint_refuses_instead_of_restarting(run_copy
 def test_explicit_resume_of_a_corrupt_file_is_one_line(run_copy, capsys):
     last = run_copy / "checkpoints" / "last.ckpt"
     _flip(last)
-    argv = fit_args(run_copy, 6, "--train.resume", str(last))
+    argv = fit_args(run_copy, 6, f"train.resume={last}")
     expect_one_line(capsys, lambda: main(argv), "its SHA-256 differs")
 
 
 def test_resume_into_another_model_is_one_line(run_copy, capsys):
     argv = _resume(run_copy, 6)
-    argv[argv.index("--model.intermediate_size") + 1] = "48"
+    argv[argv.index("model.intermediate_size=64")] = "model.intermediate_size=48"
     expect_one_line(capsys, lambda: main(argv), "do not fit this run's model")
 
 
@@ -516,7 +515,7 @@ def test_our_own_export_still_serves(export, capsys):
 def test_bad_jsonl_names_file_and_line(tmp_path, capsys, body, fragment):
     data = tmp_path / "data.jsonl"
     data.write_bytes(body)
-    argv = fit_args(tmp_path / "out", 1, "--data.source", str(data))
+    argv = fit_args(tmp_path / "out", 1, f"data.source={data}")
     line = expect_one_line(capsys, lambda: main(argv), fragment)
     assert str(data) in line
     assert not (tmp_path / "out" / "checkpoints").exists() or not any(
@@ -601,7 +600,7 @@ def test_bad_gguf_is_one_line(tmp_path, capsys, monkeypatch, case):
 
 # ----------------------------------------------------------------------------- preflight, disks
 def test_a_model_too_large_for_memory_is_refused_before_allocation(tmp_path, capsys):
-    argv = fit_args(tmp_path / "out", 1, "--model.num_hidden_layers", "1000000000")
+    argv = fit_args(tmp_path / "out", 1, "model.num_hidden_layers=1000000000")
     t0 = time.perf_counter()
     expect_one_line(capsys, lambda: main(argv), "the model would not fit in memory")
     assert time.perf_counter() - t0 < 60
@@ -621,13 +620,11 @@ def test_evaluate_read_only_out_dir_fails_before_the_sweep(run, tmp_path, capsys
         "evaluate",
         "--checkpoint",
         str(run / "checkpoints" / "last.ckpt"),
-        "--compression.rates",
-        "[0.5]",
-        "--compression.out_dir",
-        str(ro / "eval"),
+        "sweep.rates=[0.5]",
+        f"sweep.out_dir={ro / 'eval'}",
     ]
     t0 = time.perf_counter()
-    expect_one_line(capsys, lambda: main(argv), "--compression.out_dir")
+    expect_one_line(capsys, lambda: main(argv), "sweep.out_dir")
     assert time.perf_counter() - t0 < 30
 
 

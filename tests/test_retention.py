@@ -45,7 +45,9 @@ def tiny_model() -> ModelConfig:
 def module(**compress) -> LMModule:
     cfg = RunConfig(
         model=tiny_model(),
-        compress=CompressionTrainConfig(enabled=True, preset="retention", **compress),
+        compress=CompressionTrainConfig.from_dict(
+            {"enabled": True, "preset": "retention", **compress}
+        ),
     )
     torch.manual_seed(0)
     return LMModule(cfg)
@@ -271,8 +273,9 @@ def test_tiny_fit_trains_the_policy_and_logs_its_metrics(tmp_path: Path) -> None
                           out_dir=str(tmp_path), progress_bar=False, log_every_n_steps=1),
         logging=LoggingConfig(logger="csv"),
         monitor=MonitorConfig(gain=False, compress_every_n_steps=1),
-        compress=CompressionTrainConfig(enabled=True, preset="retention",
-                                        unicache={"quantize": {"bits": 4}}),
+        compress=CompressionTrainConfig.from_dict(
+            {"enabled": True, "preset": "retention", "unicache": {"quantize": {"bits": 4}}}
+        ),
     )  # fmt: skip
     trainer = fit(cfg)
     assert trainer.global_step == 3

@@ -173,6 +173,8 @@ def test_bad_selection_values_raise_naming_field_value_and_range(field, value, a
 
 @pytest.mark.parametrize("preset", ["sinks_recent", "snapkv", "retention"])
 def test_selections_are_in_loop_presets(preset: str) -> None:
-    cc = CompressionTrainConfig(enabled=True, preset=preset, unicache={"quantize": {"bits": 4}})
+    cc = CompressionTrainConfig.from_dict(
+        dict(enabled=True, preset=preset, unicache={"quantize": {"bits": 4}})
+    )
     assert cc.unicache.selection.method == preset
     assert cc.unicache.quantize.bits == 4 and not cc.unicache.merge_evict.merge_threshold < 1.0
