@@ -142,7 +142,7 @@ def run_once(model, tok, export: Path, ids: torch.Tensor, new_tokens: int, path:
         w2, c2 = time.perf_counter(), time.process_time()
     n = (out.shape[1] - full.shape[1]) * ids.shape[0]
     return dict(prefill_s=w1 - w0, prefill_cpu_s=c1 - c0, tps=n / (w2 - w1), tps_cpu=n / (c2 - c1),
-                tokens=out[0, full.shape[1]:].tolist(), cache=cache)  # fmt: skip
+                tokens=out[0, full.shape[1] :].tolist(), cache=cache)  # fmt: skip
 
 
 # -------------------------------------------------------------------------------- speed
@@ -277,7 +277,7 @@ def _recall_hf(model, tok, records, compressed: bool, export: Path):
             out = model.generate(full, attention_mask=torch.ones_like(full),
                                  **{CACHE_ARGUMENT: cache}, max_new_tokens=n_ans,
                                  pad_token_id=tok.pad_token_id, **GEN)  # fmt: skip
-        text = tok.decode(out[0, full.shape[1]:].tolist()).lstrip(" ").split("\n")[0].strip()
+        text = tok.decode(out[0, full.shape[1] :].tolist()).lstrip(" ").split("\n")[0].strip()
         preds.append(text)
         base += per_token * ctx.shape[1]
         kv += cache.kv_bytes() if compressed else per_token * ctx.shape[1]
