@@ -90,17 +90,11 @@ def export_checkpoint(
     tmp = temporary_path(out)
     remove_path(tmp)
     try:
-        if format == "deepseek_v3":
-            from unicache_train.checkpoint.deepseek_v3 import export_deepseek_v3
-            from unicache_train.checkpoint.hf import dtype_name
-
-            export_deepseek_v3(model, tmp, dtype=dtype_name(dtype, model),
-                               tokenizer_from=tokenizer)  # fmt: skip
-            if policy is not None:
-                write_compression_config(policy, tmp)
-        else:
-            export_hf(model, tmp, family=family, dtype=dtype, compression_policy=policy,
-                      tokenizer_from=tokenizer)  # fmt: skip
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            _write_export(model, tmp, format, family, dtype, policy, tokenizer)
+        for w in said:  # the exporters name the folder they write: the user's is ``out``
+            warnings.warn(str(w.message).replace(str(tmp), str(out)), w.category, stacklevel=2)
         write_manifest(tmp)
         fsync_tree(tmp)
         publish(tmp, out)
@@ -111,6 +105,21 @@ def export_checkpoint(
         remove_path(tmp)
         raise
     return out
+
+
+def _write_export(model, tmp: Path, format: str, family: str, dtype: str,  # noqa: A002
+                  policy: dict[str, Any] | None, tokenizer: str | None) -> None:
+    if format == "deepseek_v3":
+        from unicache_train.checkpoint.deepseek_v3 import export_deepseek_v3
+        from unicache_train.checkpoint.hf import dtype_name
+
+        export_deepseek_v3(model, tmp, dtype=dtype_name(dtype, model),
+                           tokenizer_from=tokenizer)  # fmt: skip
+        if policy is not None:
+            write_compression_config(policy, tmp)
+    else:
+        export_hf(model, tmp, family=family, dtype=dtype, compression_policy=policy,
+                  tokenizer_from=tokenizer)  # fmt: skip
 
 
 def check_export_target(out: Path, overwrite: bool) -> None:
