@@ -304,6 +304,27 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(run_copy, caplog, spo
     assert (ckpts / "step000006.ckpt").is_file() and not (ckpts / "step000002.ckpt.tmp").exists()
 
 
+def test_a_corrupt_zero_directory_is_skipped_by_resume(run_copy):
+    """A ZeRO directory carries its manifest inside; one changed shard byte and resume moves on
+    to the newest intact checkpoint, naming the shard."""
+    from unicache_train.checkpoint.resume import newest_intact_checkpoint
+
+    ckpts = run_copy / "checkpoints"
+    for name in ("last.ckpt", "last.ckpt.sha256"):
+        (ckpts / name).unlink()
+    zero = ckpts / "last.ckpt"
+    (zero / "checkpoint").mkdir(parents=True)
+    (zero / "latest").write_text("checkpoint")
+    shard = zero / "checkpoint" / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(256)}}, shard)
+    write_manifest(zero)
+    assert newest_intact_checkpoint(ckpts) == (zero, [])
+    _flip(shard)
+    found, skipped = newest_intact_checkpoint(ckpts)
+    assert found == ckpts / "step000004.ckpt"
+    assert skipped[0][0] == zero and "mp_rank_00_model_states.pt" in skipped[0][1]
+
+
 def test_resume_with_no_intact_checkpoint_refuses_instead_of_restarting(run_copy, capsys):
     ckpts = run_copy / "checkpoints"
     for name in ("last.ckpt", "step000002.ckpt", "step000004.ckpt"):
