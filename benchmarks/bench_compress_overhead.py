@@ -141,7 +141,7 @@ def _model_config(args) -> ModelConfig:
     if args.hf:
         import json
 
-        from unicache_train.checkpoint.hf import from_hf_config
+        from unicache_train.checkpoint.hf_config import from_hf_config
 
         return from_hf_config(json.loads((_hf_dir(args) / "config.json").read_text()))[0]
     return ModelConfig(

@@ -232,7 +232,7 @@ def checkpoint_family(ckpt_dir: Path) -> str:
     as (e.g. ``llama`` for SmolLM2, ``gemma3_text`` for Gemma 3)."""
     import json
 
-    from unicache_train.checkpoint.hf import from_hf_config
+    from unicache_train.checkpoint.hf_config import from_hf_config
 
     return from_hf_config(json.loads((Path(ckpt_dir) / "config.json").read_text()))[1]
 

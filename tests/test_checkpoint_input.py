@@ -13,12 +13,9 @@ from unicache_train.checkpoint.deepseek_v3 import (
     export_deepseek_v3,
     import_deepseek_v3,
 )
-from unicache_train.checkpoint.hf import (
-    HFCheckpointError,
-    export_hf,
-    import_hf,
-    merge_kv_heads,
-)
+from unicache_train.checkpoint.head_merge import merge_kv_heads
+from unicache_train.checkpoint.hf import export_hf, import_hf
+from unicache_train.checkpoint.hf_config import HFCheckpointError
 from unicache_train.model import Decoder
 from unicache_train.model.config import ModelConfig
 

@@ -170,7 +170,7 @@ def test_mhc_export_serves_with_trust_remote_code(tmp_path, tokenizer_dir):
 
 
 def test_head_merged_export_keeps_the_source_tokenizer(tmp_path, tokenizer_dir):
-    from unicache_train.checkpoint.hf import merge_kv_heads
+    from unicache_train.checkpoint.head_merge import merge_kv_heads
 
     src = _source("llama", tmp_path / "src", tokenizer_dir)
     model, _ = import_hf(src)

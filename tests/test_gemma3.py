@@ -8,7 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from unicache_train.checkpoint.hf import HFCheckpointError, export_hf, import_hf  # noqa: E402
+from unicache_train.checkpoint.hf import export_hf, import_hf  # noqa: E402
+from unicache_train.checkpoint.hf_config import HFCheckpointError  # noqa: E402
 from unicache_train.compress import UniCacheCompressor, UniCacheConfig  # noqa: E402
 from unicache_train.compress.presets import text_style_baseline  # noqa: E402
 from unicache_train.model import Decoder  # noqa: E402

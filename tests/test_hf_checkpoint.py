@@ -8,13 +8,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from unicache_train.checkpoint.hf import (  # noqa: E402
-    HFCheckpointError,
-    export_hf,
-    import_hf,
-    load_safetensors_dir,
-    merge_kv_heads,
-)
+from unicache_train.checkpoint.head_merge import merge_kv_heads  # noqa: E402
+from unicache_train.checkpoint.hf import export_hf, import_hf  # noqa: E402
+from unicache_train.checkpoint.hf_config import HFCheckpointError  # noqa: E402
+from unicache_train.checkpoint.safetensors_io import load_safetensors_dir  # noqa: E402
 from unicache_train.model import Decoder  # noqa: E402
 from unicache_train.model.config import ModelConfig  # noqa: E402
 

@@ -29,7 +29,7 @@ def _llama_pair(tie: bool):
     torch.manual_seed(0)
     hf = LlamaForCausalLM(hf_cfg).eval()
     ours = Decoder(cfg).eval()
-    from unicache_train.checkpoint.hf import from_hf_state_dict
+    from unicache_train.checkpoint.hf_weights import from_hf_state_dict
 
     # The importer checks every name and shape (see tests/test_hf_checkpoint.py).
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg, "llama"), strict=True)

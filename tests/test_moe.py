@@ -360,7 +360,7 @@ def test_config_errors_name_the_field(kw, match):
 
 
 def test_plain_gqa_moe_has_no_hf_family():
-    from unicache_train.checkpoint.hf import HFCheckpointError, to_hf_config
+    from unicache_train.checkpoint.hf_config import HFCheckpointError, to_hf_config
 
     config = moe_config(attention_type="gqa", num_key_value_heads=2)
     with pytest.raises(HFCheckpointError, match="n_routed_experts=8: family='llama'"):

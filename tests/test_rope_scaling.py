@@ -14,7 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from unicache_train.checkpoint.hf import HFCheckpointError, export_hf, import_hf  # noqa: E402
+from unicache_train.checkpoint.hf import export_hf, import_hf  # noqa: E402
+from unicache_train.checkpoint.hf_config import HFCheckpointError  # noqa: E402
 from unicache_train.model import Decoder  # noqa: E402
 from unicache_train.model.config import ModelConfig, RopeScalingConfig  # noqa: E402
 from unicache_train.model.kv_cache import new_kv_cache  # noqa: E402

@@ -243,7 +243,8 @@ def test_window_config_errors(kw, match):
 
 
 def test_export_refuses_a_window_the_family_cannot_hold(tmp_path):
-    from unicache_train.checkpoint.hf import HFCheckpointError, export_hf
+    from unicache_train.checkpoint.hf import export_hf
+    from unicache_train.checkpoint.hf_config import HFCheckpointError
 
     with pytest.raises(HFCheckpointError, match="llama has no sliding window"):
         export_hf(windowed_model(), tmp_path / "a", family="llama")

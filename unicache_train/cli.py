@@ -359,7 +359,7 @@ def fetch(name: str = "smollm2", root: str | None = None, force: bool = False) -
 def _user_error_types() -> tuple[type[BaseException], ...]:
     """The errors that mean "bad input" (a message for the user, not a bug to trace)."""
     from unicache_train.checkpoint.deepseek_v3 import DeepseekV3ExportError
-    from unicache_train.checkpoint.hf import HFCheckpointError
+    from unicache_train.checkpoint.hf_config import HFCheckpointError
     from unicache_train.checkpoint.integrity import (
         CheckpointError,
         IntegrityError,

@@ -211,7 +211,7 @@ class CompressedCache(Cache):
                 "CompressedCache does not serve MLA (DeepseekV3) exports: their latent cache is "
                 "not compressed at inference yet"
             )
-        from unicache_train.checkpoint.hf import from_hf_config
+        from unicache_train.checkpoint.hf_config import from_hf_config
 
         model_config, _ = from_hf_config(hf)
         if model_config.has_sliding_layers:

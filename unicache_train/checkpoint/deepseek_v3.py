@@ -44,16 +44,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from unicache_train.checkpoint import serving
-from unicache_train.checkpoint.hf import (
-    HFCheckpointError,
-    check_weight,
-    load_safetensors_dir,
-    rope_from_hf,
-    rope_to_hf,
-)
+from unicache_train.checkpoint.hf_config import HFCheckpointError, rope_from_hf, rope_to_hf
+from unicache_train.checkpoint.hf_weights import check_weight
+from unicache_train.checkpoint.safetensors_io import load_safetensors_dir
 from unicache_train.model import Decoder
 from unicache_train.model.config import ModelConfig, RopeScalingConfig
 from unicache_train.validation import ConfigError
@@ -456,6 +451,7 @@ def export_deepseek_v3(
     out_dir: str | Path,
     *,
     dtype: torch.dtype | None = None,
+    compression_policy: dict[str, Any] | None = None,
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
     tokenizer_from: Any = None,
@@ -470,6 +466,7 @@ def export_deepseek_v3(
         model: an MLA :class:`Decoder` (``attention_type="mla"``, plain residual, no biases).
         out_dir: directory to create / overwrite.
         dtype: cast the tensors (e.g. ``torch.bfloat16``); default: keep the model's dtype.
+        compression_policy: if given, written to ``compression_config.json``.
         bos_token_id, eos_token_id: special ids for the config and generation config; default:
             the tokenizer source's.
         tokenizer_from: the directory whose tokenizer files, ``generation_config.json`` and
@@ -490,14 +487,10 @@ def export_deepseek_v3(
     hf_config.update(serving.special_token_ids(
         source, model.config.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
     ))  # fmt: skip
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    serving.write_serving_files(
-        out, source, hf_config, bos_token_id=bos_token_id, eos_token_id=eos_token_id
-    )
-    return out
+    return serving.write_export_dir(
+        out_dir, hf_config, sd, source, compression_policy=compression_policy,
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+    )  # fmt: skip
 
 
 def import_deepseek_v3(path: str | Path) -> Decoder:

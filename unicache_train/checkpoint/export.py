@@ -16,19 +16,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from unicache_train.checkpoint.hf import (
-    FAMILIES,
-    HFCheckpointError,
-    export_hf,
-    write_compression_config,
-)
+from unicache_train.checkpoint.hf import export_hf
+from unicache_train.checkpoint.hf_config import FAMILIES, HFCheckpointError
 from unicache_train.checkpoint.integrity import (
     MANIFEST_NAME,
     NonFiniteError,
     WriteError,
     first_non_finite,
     fsync_tree,
-    write_manifest,
 )
 from unicache_train.checkpoint.lightning_ckpt import load_checkpoint
 from unicache_train.checkpoint.policy import policy_of
@@ -95,7 +90,6 @@ def export_checkpoint(
             _write_export(model, tmp, format, family, dtype, policy, tokenizer)
         for w in said:  # the exporters name the folder they write: the user's is ``out``
             warnings.warn(str(w.message).replace(str(tmp), str(out)), w.category, stacklevel=2)
-        write_manifest(tmp)
         fsync_tree(tmp)
         publish(tmp, out)
     except OSError as err:
@@ -113,10 +107,8 @@ def _write_export(model, tmp: Path, format: str, family: str, dtype: str,  # noq
         from unicache_train.checkpoint.deepseek_v3 import export_deepseek_v3
         from unicache_train.checkpoint.hf import dtype_name
 
-        export_deepseek_v3(model, tmp, dtype=dtype_name(dtype, model),
+        export_deepseek_v3(model, tmp, dtype=dtype_name(dtype, model), compression_policy=policy,
                            tokenizer_from=tokenizer)  # fmt: skip
-        if policy is not None:
-            write_compression_config(policy, tmp)
     else:
         export_hf(model, tmp, family=family, dtype=dtype, compression_policy=policy,
                   tokenizer_from=tokenizer)  # fmt: skip

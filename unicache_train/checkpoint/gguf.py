@@ -135,7 +135,7 @@ def check_gguf_file(path: str | Path) -> None:
     """
     import struct
 
-    from unicache_train.checkpoint.hf import HFCheckpointError
+    from unicache_train.checkpoint.hf_config import HFCheckpointError
 
     path = Path(path)
     size = path.stat().st_size

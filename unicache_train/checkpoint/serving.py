@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ __all__ = [
     "tokenizer_source",
     "special_token_ids",
     "write_serving_files",
+    "write_export_dir",
     "byte_tokenizer_files",
 ]
 
@@ -326,3 +328,44 @@ def byte_tokenizer_files(out_dir: str | Path, model_max_length: int = 0) -> set[
         config["model_max_length"] = model_max_length
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {"tokenizer.json", "tokenizer_config.json"}
+
+
+def write_export_dir(
+    out_dir: str | Path,
+    hf_config: dict[str, Any],
+    state_dict: dict[str, Any],
+    source: Any,
+    *,
+    compression_policy: dict[str, Any] | None = None,
+    remote_code: Sequence[Path] = (),
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> Path:
+    """What every export writes, once for all formats (HF families, our mHC format, DeepseekV3):
+    ``config.json``, ``model.safetensors``, the remote-code files (mHC), the compression policy
+    (``compression_config.json``; absent: an earlier export's file is removed, so a stale policy
+    is never served with these weights), the tokenizer / generation config / chat template
+    (:func:`write_serving_files`) and the checksum manifest serving verifies.
+
+    Returns:
+        ``out_dir`` as a :class:`Path`.
+    """
+    from safetensors.torch import save_file
+
+    from unicache_train.checkpoint.integrity import write_manifest
+    from unicache_train.checkpoint.policy import COMPRESSION_CONFIG, write_compression_config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file(state_dict, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for file in remote_code:
+        shutil.copyfile(file, out / file.name)
+    if compression_policy is not None:
+        write_compression_config(compression_policy, out)
+    else:
+        (out / COMPRESSION_CONFIG).unlink(missing_ok=True)
+    write_serving_files(out, source, hf_config, bos_token_id=bos_token_id,
+                        eos_token_id=eos_token_id)  # fmt: skip
+    write_manifest(out)  # unicache_manifest.json: what serving verifies
+    return out

@@ -82,7 +82,7 @@ def check_export_dir(export: str | Path, *, trust_remote_code: bool = False) -> 
             ``trust_remote_code``).
         HFCheckpointError: no safetensors weights, or no tokenizer.
     """
-    from unicache_train.checkpoint.hf import HFCheckpointError
+    from unicache_train.checkpoint.hf_config import HFCheckpointError
 
     export = Path(export)
     config_file = export / "config.json"
