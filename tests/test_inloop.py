@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model_config as shared_tiny_config
 
 from unicache_train.compress import IdentityCompressor, UniCacheCompressor, UniCacheConfig
 from unicache_train.compress.presets import text_style_baseline
@@ -33,16 +34,7 @@ from unicache_train.validation import ConfigError
 
 
 def tiny_model_config(**kw) -> ModelConfig:
-    base = dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
+    return shared_tiny_config(**{"num_hidden_layers": 3, **kw})
 
 
 def unicache(

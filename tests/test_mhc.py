@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model_config
 from torch import nn
 
 from unicache_train.model import Decoder
@@ -31,17 +32,8 @@ def _one_thread():
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(
-        vocab_size=97,
-        hidden_size=HIDDEN,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        hc_mult=N_STREAMS,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
+    return tiny_model_config(**{"hidden_size": HIDDEN, "intermediate_size": 48,
+                                "hc_mult": N_STREAMS, **kw})  # fmt: skip
 
 
 def close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> float:

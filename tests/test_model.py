@@ -2,17 +2,12 @@
 
 import pytest
 import torch
+from conftest import tiny_model_config
 
 from unicache_train.compress import IdentityCompressor
 from unicache_train.model import Decoder, KVCache
-from unicache_train.model.config import ModelConfig
 
-
-def tiny(**kw) -> ModelConfig:
-    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2)
-    base.update(kw)
-    return ModelConfig(**base)
+tiny = tiny_model_config
 
 
 def _llama_pair(tie: bool):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model_config
 
 from unicache_train.compress import UniCacheCompressor, UniCacheConfig, presets
 from unicache_train.compress.retention import RetentionPolicy, attach_retention
@@ -38,8 +39,7 @@ def retention_cfg(rate: float = 0.6, bits: int | None = 8, **selection) -> UniCa
 
 
 def tiny_model() -> ModelConfig:
-    return ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return tiny_model_config()
 
 
 def module(**compress) -> LMModule:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_model_config
 
 from unicache_train.compress import UniCacheCompressor, UniCacheConfig
 from unicache_train.compress.config import XKVConfig
@@ -23,17 +24,8 @@ V = 97
 
 
 def tiny(**kw) -> Decoder:
-    base = dict(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    base.update(kw)
     torch.manual_seed(0)
-    return Decoder(ModelConfig(**base)).eval()
+    return Decoder(tiny_model_config(**{"vocab_size": V, "num_hidden_layers": 3, **kw})).eval()
 
 
 def tiny_mla() -> Decoder:
