@@ -6,8 +6,9 @@ offending value and the allowed range (``ModelConfig.hidden_size=0 is out of ran
 [1, inf]``). :class:`ConfigBase` gives it ``to_dict``/``from_dict`` (nested configs built from
 nested mappings, unknown keys refused) and YAML ``save``/``load``.
 
-Imports only the standard library and PyYAML: :mod:`unicache_train.config` (the run) and
-:mod:`unicache_train.compress.config` (the compressors) both build on it.
+Imports only the standard library and PyYAML: every config builds on it (the model's
+:mod:`unicache_train.model.config`, the data's :mod:`unicache_train.data.config`, the run's
+:mod:`unicache_train.train.config`, the compressors' :mod:`unicache_train.compress.config`).
 """
 
 from __future__ import annotations
