@@ -90,3 +90,13 @@ def test_prompts_refuse_training_seeds_and_carry_unique_ids(kb, tmp_path) -> Non
     bad.write_text(json.dumps({**recs[0], "id": "x"}) + "\n" + json.dumps({**recs[1], "id": "x"}))
     with pytest.raises(ValueError, match="not unique"):
         kb.read_prompts(bad)
+
+
+def test_length_batches_group_equal_lengths_only_and_cover_every_prompt(kb) -> None:
+    enc = [([0] * c, [0] * q, a) for c, q, a in
+           [(5, 3, 2), (6, 3, 2), (5, 3, 2), (5, 4, 2), (5, 3, 2), (5, 3, 3)]]  # fmt: skip
+    batches = kb.length_batches(enc, size=2)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for b in batches:
+        assert len(b) <= 2 and len({(len(enc[i][0]), len(enc[i][1]), enc[i][2]) for i in b}) == 1
+    assert batches[0] == [0, 2] and [4] in batches  # first appearance order, split at size

@@ -23,8 +23,9 @@ Two halves, two environments (kvpress pins transformers < 5.3; the project needs
    prediction, correct``), ``setting`` = storage and target, e.g. ``int4_8x``; ``16bit`` alone
    is the no-press row, ``int4`` alone plain int4.
 
-Each prompt, exactly like :func:`unicache_train.eval.recall.run_recall` one prompt at a time:
-the context (``[bos] + "key: value" lines``) is prefilled with the press active (kvpress
+Each prompt, exactly like :func:`unicache_train.eval.recall.run_recall` one prompt at a time
+(prompts whose context, question and answer have the same token lengths run as one batch, with
+no padding, so a press scores exactly the tokens it scores alone): the context (``[bos] + "key: value" lines``) is prefilled with the press active (kvpress
 compresses each layer's cache during the prefill forward, so the press never sees the
 question), the kept entries are fake-quantized in place (storage ``int4``/``int8``), the
 question is fed on the compressed cache at its true positions and the answer decoded greedily
@@ -239,8 +240,10 @@ class PressRunner:
 
     def __init__(self, model_dir: Path, tokenizer_dir: Path, threads: int) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
         torch.set_num_threads(threads)
+        hf_logging.disable_progress_bar()
         self.tok = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         cfg = self.model.config
@@ -253,42 +256,68 @@ class PressRunner:
 
         return getattr(kvpress, f"{s.press}Press")(compression_ratio=s.ratio(self.head_dim))
 
-    @torch.no_grad()
-    def answer(self, rec: dict, press, bits: int) -> tuple[str, int, int]:
-        """(prediction, context tokens, kept entries summed over layers) of one prompt."""
-        from transformers import DynamicCache
-
-        tok, model = self.tok, self.model
+    def encode(self, rec: dict) -> tuple[list[int], list[int], int]:
+        """(context ids ``[bos] + context``, question ids, answer tokens to decode)."""
+        tok = self.tok
         ctx = [tok.bos_token_id] + tok.encode(rec["context"], add_special_tokens=False)
         q = tok.encode(rec["question"], add_special_tokens=False)
-        n_ans = len(tok.encode(" " + rec["answer"], add_special_tokens=False)) + 1
+        return ctx, q, len(tok.encode(" " + rec["answer"], add_special_tokens=False)) + 1
+
+    @torch.no_grad()
+    def answer(self, ctx: list[list[int]], q: list[list[int]], n_ans: int, press, bits: int):
+        """Predictions of a batch of prompts whose contexts, questions and answers have the same
+        token lengths (no padding: a press scores exactly what it scores one prompt at a time),
+        and the entries each prompt's cache kept, summed over layers.
+
+        Returns:
+            (list of B predictions, kept entries per prompt).
+        """
+        from transformers import DynamicCache
+
+        model = self.model
+        ids, qs = torch.tensor(ctx), torch.tensor(q)  # [B, P], [B, Q]
+        B, P, Q = ids.shape[0], ids.shape[1], qs.shape[1]
         cache = DynamicCache()
         if press is None:
-            model(input_ids=torch.tensor([ctx]), past_key_values=cache)
+            model(input_ids=ids, past_key_values=cache)
         else:
             with press(model):
-                model(input_ids=torch.tensor([ctx]), past_key_values=cache)
+                model(input_ids=ids, past_key_values=cache)
         kept = 0
         for layer in cache.layers:
             kept += layer.keys.shape[-2]
             if bits != 16:  # NOTE: after the press: storage of what it kept, as our pipeline
                 layer.keys = fake_quantize(layer.keys, bits)
                 layer.values = fake_quantize(layer.values, bits)
-        pos = len(ctx)
-        out = model(input_ids=torch.tensor([q]), past_key_values=cache,
-                    position_ids=torch.arange(pos, pos + len(q))[None])  # fmt: skip
-        ids = [int(out.logits[0, -1].argmax())]
+        pos = torch.arange(P, P + Q)[None].expand(B, Q)
+        out = model(input_ids=qs, past_key_values=cache, position_ids=pos)
+        nxt = out.logits[:, -1].argmax(-1)  # [B]
+        gen = [nxt]
         for i in range(n_ans - 1):
-            out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache,
-                        position_ids=torch.tensor([[pos + len(q) + i]]))  # fmt: skip
-            ids.append(int(out.logits[0, -1].argmax()))
-        pred = tok.decode(ids, skip_special_tokens=True).lstrip(" ").split("\n")[0].strip()
-        return pred, len(ctx), kept
+            out = model(input_ids=nxt[:, None], past_key_values=cache,
+                        position_ids=torch.full((B, 1), P + Q + i))  # fmt: skip
+            nxt = out.logits[:, -1].argmax(-1)
+            gen.append(nxt)
+        toks = torch.stack(gen, 1).tolist()  # [B, n_ans]
+        preds = [
+            self.tok.decode(t, skip_special_tokens=True).lstrip(" ").split("\n")[0].strip()
+            for t in toks
+        ]
+        return preds, kept
 
     def bytes_of(self, ctx_tokens: int, kept: int, bits: int) -> tuple[int, int]:
         """(uncompressed 16-bit bytes, stored bytes) of one prompt's context cache (K and V)."""
         base = 2 * self.layers * ctx_tokens * self.kv_heads * vector_bytes(16, self.head_dim)
         return base, 2 * kept * self.kv_heads * vector_bytes(bits, self.head_dim)
+
+
+def length_batches(enc: list[tuple[list[int], list[int], int]], size: int) -> list[list[int]]:
+    """Prompt indices grouped by (context, question, answer) token lengths, at most ``size``
+    a batch, in order of first appearance."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, (ctx, q, n_ans) in enumerate(enc):
+        groups.setdefault((len(ctx), len(q), n_ans), []).append(i)
+    return [g[s : s + size] for g in groups.values() for s in range(0, len(g), size)]
 
 
 def _version(pkg: str) -> str:
@@ -309,9 +338,15 @@ def run_presses(args) -> None:
             raise SystemExit(f"{args.reference}: not the same prompt ids as {args.prompts}")
     sha = weights_sha256(args.model)
     runner = PressRunner(args.model, args.tokenizer or args.model, args.threads)
+    enc = [runner.encode(r) for r in recs]
+    batches = length_batches(enc, args.batch_size)
     grid = build_grid(args.presses, args.reductions, args.storage, not args.no_plain)
-    if args.only:
-        grid = [s for s in grid if s.name in args.only]
+    if args.only:  # these rows, in this order (the most needed first on a busy machine)
+        by_name = {s.name: s for s in grid}
+        unknown = sorted(set(args.only) - set(by_name))
+        if unknown:
+            raise SystemExit(f"--only: unknown setting(s) {unknown}; known: {sorted(by_name)}")
+        grid = [by_name[n] for n in args.only]
     out_csv = args.out_dir / f"kvpress_{args.name}.csv"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     new = not out_csv.exists()
@@ -324,14 +359,20 @@ def run_presses(args) -> None:
             w.writeheader()
         for s in grid:
             press = None if s.press is None else runner.make_press(s)
-            t0, base_b, stored_b, ctx_t, kept_t, rows = time.time(), 0, 0, 0, 0, []
-            for r in recs:
-                pred, n_ctx, kept = runner.answer(r, press, s.bits)
-                b, st = runner.bytes_of(n_ctx, kept, s.bits)
-                base_b, stored_b = base_b + b, stored_b + st
-                ctx_t, kept_t = ctx_t + n_ctx * runner.layers, kept_t + kept
-                rows.append({"id": r["id"], "task": r["task"], "answer": r["answer"],
-                             "prediction": pred, "correct": pred == r["answer"]})  # fmt: skip
+            t0, base_b, stored_b, ctx_t, kept_t, rows = time.time(), 0, 0, 0, 0, {}
+            for idx in batches:
+                preds, kept = runner.answer(
+                    [enc[i][0] for i in idx], [enc[i][1] for i in idx], enc[idx[0]][2], press,
+                    s.bits,
+                )  # fmt: skip
+                for i, pred in zip(idx, preds):
+                    r, n_ctx = recs[i], len(enc[i][0])
+                    b, st = runner.bytes_of(n_ctx, kept, s.bits)
+                    base_b, stored_b = base_b + b, stored_b + st
+                    ctx_t, kept_t = ctx_t + n_ctx * runner.layers, kept_t + kept
+                    rows[i] = {"id": r["id"], "task": r["task"], "answer": r["answer"],
+                               "prediction": pred, "correct": pred == r["answer"]}  # fmt: skip
+            rows = [rows[i] for i in range(len(recs))]
             secs = time.time() - t0
             jsonl = args.out_dir / f"kvpress_{args.name}_{s.name}.jsonl"
             write_jsonl(jsonl, rows)
@@ -390,10 +431,11 @@ def main() -> None:
     b.add_argument("--reductions", nargs="+", type=float, default=[4.0, 8.0])
     b.add_argument("--storage", nargs="+", type=int, default=[16, 8, 4], choices=(16, 8, 4))
     b.add_argument("--no-plain", action="store_true", help="skip plain int4/int8 rows")
-    b.add_argument("--only", nargs="*", default=None, help="run only these setting names")
+    b.add_argument("--only", nargs="*", default=None, help="only these settings, in this order")
     b.add_argument("--reference", type=Path, default=None, help="our predictions (reference)")
     b.add_argument("--out-dir", type=Path, required=True)
     b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--batch-size", type=int, default=16, help="prompts of equal lengths at once")
     args = p.parse_args()
     if args.cmd == "prompts":
         write_prompts(args)
