@@ -31,7 +31,6 @@ Arguments (:mod:`unicache_train.recipe`): ``--config FILE.yaml`` (fine-tune conf
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -44,10 +43,10 @@ from unicache_train.eval.sweep import (
 )
 from unicache_train.recipe import (
     FinetuneOptions,
+    base_stage,
     command_line,
     evaluate_stage,
     parse_finetune_args,
-    pretrain_base,
     write_results_csv,
 )
 from unicache_train.train.config import RunConfig
@@ -118,28 +117,20 @@ def _verdict(ok: bool | None, applies: bool) -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     """Run the recipe; returns the before/after rows (None on ranks other than 0)."""
     from unicache_train.checkpoint import load_checkpoint
-    from unicache_train.data.datamodule import LMDataModule
     from unicache_train.eval.report import text_table
     from unicache_train.train.run import InitFromCheckpoint, fit
 
     args = list(sys.argv[1:] if argv is None else argv)
     options, ft = parse_args(args)
-    times: dict[str, float] = {}
     t0 = time.perf_counter()
-    base_ckpt = Path(options.base_checkpoint or pretrain_base(options, ft))
-    times["pretrain"] = time.perf_counter() - t0
-    if not base_ckpt.is_file():
-        raise FileNotFoundError(f"base checkpoint not found: {base_ckpt}")
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    base_model, base_cfg = load_checkpoint(base_ckpt)
-    ft.model = base_cfg.model  # the architecture is the base's
-    dm = LMDataModule(ft.data)
-    dm.setup("validate")
-    loader = dm.val_dataloader()
+    base = base_stage(options, ft)
+    base_ckpt, base_model, loader, rank0, times = (
+        base.checkpoint, base.model, base.loader, base.rank0, base.times
+    )
 
     t = time.perf_counter()
     base_rows = (
-        evaluate_stage(base_model, ft, dm.tokenizer, loader, options, "base") if rank0 else []
+        evaluate_stage(base_model, ft, base.tokenizer, loader, options, "base") if rank0 else []
     )
     times["eval_base"] = time.perf_counter() - t
 
@@ -151,7 +142,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
 
     t = time.perf_counter()
     tuned_model, _ = load_checkpoint(Path(ft.train.out_dir) / "checkpoints" / "last.ckpt")
-    tuned_rows = evaluate_stage(tuned_model, ft, dm.tokenizer, loader, options, "finetuned")
+    tuned_rows = evaluate_stage(tuned_model, ft, base.tokenizer, loader, options, "finetuned")
     times["eval_finetuned"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t0
 

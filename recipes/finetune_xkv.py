@@ -34,7 +34,6 @@ uncompressed 16-bit bytes / stored bytes (docs/architecture.md#words).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,10 +42,10 @@ from typing import Any
 
 from unicache_train.recipe import (
     FinetuneOptions,
+    base_stage,
     command_line,
     evaluate_stage,
     parse_finetune_args,
-    pretrain_base,
     write_results_csv,
 )
 from unicache_train.train.config import RunConfig
@@ -160,27 +159,19 @@ def table(
 def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     """Run the recipe; returns the table rows (None on ranks other than 0)."""
     from unicache_train.checkpoint import load_checkpoint
-    from unicache_train.data.datamodule import LMDataModule
     from unicache_train.eval.report import text_table
     from unicache_train.train.run import InitFromCheckpoint, fit
 
     args = list(sys.argv[1:] if argv is None else argv)
     options, ft = parse_args(args)
-    times: dict[str, float] = {}
     t0 = time.perf_counter()
-    base_ckpt = Path(options.base_checkpoint or pretrain_base(options, ft))
-    times["pretrain"] = time.perf_counter() - t0
-    if not base_ckpt.is_file():
-        raise FileNotFoundError(f"base checkpoint not found: {base_ckpt}")
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    base_model, base_cfg = load_checkpoint(base_ckpt)
-    ft.model = base_cfg.model
-    dm = LMDataModule(ft.data)
-    dm.setup("validate")
-    loader = dm.val_dataloader()
+    base = base_stage(options, ft)
+    base_ckpt, base_model, loader, rank0, times = (
+        base.checkpoint, base.model, base.loader, base.rank0, base.times
+    )
 
     t = time.perf_counter()
-    base_rows = evaluate(base_model, ft, dm.tokenizer, loader, options, "base", rates=[],
+    base_rows = evaluate(base_model, ft, base.tokenizer, loader, options, "base", rates=[],
                          xkv_reductions=options.eval_reductions, match_unicache=True)  # fmt: skip
     times["eval_base"] = time.perf_counter() - t
     matched = {r["target_reduction"]: r["rate"] for r in base_rows if r["method"] == "unicache"}
@@ -205,10 +196,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
             model, _ = load_checkpoint(Path(cfg.train.out_dir) / "checkpoints" / "last.ckpt")
             name = f"finetuned_{method}_{red:g}x"
             if method == "xkv":
-                rows = evaluate(model, cfg, dm.tokenizer, loader, options, name, rates=[],
+                rows = evaluate(model, cfg, base.tokenizer, loader, options, name, rates=[],
                                 xkv_reductions=[red], match_unicache=False)  # fmt: skip
             else:
-                rows = evaluate(model, cfg, dm.tokenizer, loader, options, name,
+                rows = evaluate(model, cfg, base.tokenizer, loader, options, name,
                                 rates=[cfg.compress.unicache.target_rate])  # fmt: skip
                 rows[1]["method"] = "unicache"
             tuned[(red, method)] = rows
@@ -222,10 +213,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
             model, _ = load_checkpoint(Path(cfg.train.out_dir) / "checkpoints" / "last.ckpt")
             # The base's settings (UniCache at the rates calibrated on the base), in the base's
             # row order.
-            xrows = evaluate(model, cfg, dm.tokenizer, loader, options, "control_xkv", rates=[],
+            xrows = evaluate(model, cfg, base.tokenizer, loader, options, "control_xkv", rates=[],
                              xkv_reductions=options.eval_reductions,
                              match_unicache=False)  # fmt: skip
-            by_rate = evaluate(model, cfg, dm.tokenizer, loader, options, "control_unicache",
+            by_rate = evaluate(model, cfg, base.tokenizer, loader, options, "control_unicache",
                                rates=[matched[r] for r in options.eval_reductions])  # fmt: skip
             control = [xrows[0]]
             for r in base_rows[1:]:

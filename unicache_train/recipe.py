@@ -52,6 +52,8 @@ __all__ = [
     "FinetuneOptions",
     "parse_finetune_args",
     "pretrain_base",
+    "BaseStage",
+    "base_stage",
     "evaluate_stage",
 ]
 
@@ -230,6 +232,50 @@ def pretrain_base(options: FinetuneOptions, ft: RunConfig) -> Path:
     data = deep_merge(deep_merge(read_config_file(path), forced), options.pretrain)
     fit(RunConfig.from_dict(data))
     return out / "checkpoints" / "last.ckpt"
+
+
+@dataclass
+class BaseStage:
+    """What the fine-tune recipes start from (:func:`base_stage`).
+
+    Attributes:
+        checkpoint: the base ``.ckpt``; model: its decoder; loader: the validation batches of
+        the fine-tune's data; tokenizer: their tokenizer; rank0: this process is rank 0;
+        times: wall seconds per stage so far (``pretrain``).
+    """
+
+    checkpoint: Path
+    model: Any
+    loader: Any
+    tokenizer: Any
+    rank0: bool
+    times: dict[str, float]
+
+
+def base_stage(options: FinetuneOptions, ft: RunConfig) -> BaseStage:
+    """The fine-tune recipes' first stage: the base checkpoint (``--checkpoint``, else pretrained
+    here), the fine-tune taking its architecture (``ft.model`` is replaced), and the validation
+    data the before/after evaluations share.
+
+    Raises:
+        FileNotFoundError: the base checkpoint does not exist.
+    """
+    import time
+
+    from unicache_train.checkpoint import load_checkpoint
+    from unicache_train.data.datamodule import LMDataModule
+
+    t0 = time.perf_counter()
+    ckpt = Path(options.base_checkpoint or pretrain_base(options, ft))
+    times = {"pretrain": time.perf_counter() - t0}
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"base checkpoint not found: {ckpt}")
+    model, base_cfg = load_checkpoint(ckpt)
+    ft.model = base_cfg.model  # the architecture is the base's
+    dm = LMDataModule(ft.data)
+    dm.setup("validate")
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    return BaseStage(ckpt, model, dm.val_dataloader(), dm.tokenizer, rank0, times)
 
 
 def evaluate_stage(
