@@ -665,13 +665,15 @@ def test_disk_full_during_a_save_leaves_no_tmp_and_the_old_checkpoint(tmp_path, 
     from unicache_train.checkpoint.integrity import WriteError, verify
     from unicache_train.train.strategies import AtomicCheckpointIO
 
-    disk = tmpfs(tmp_path / "disk", "size=256k")
+    # NOTE: 4 MiB, more than the 1 MiB under which a disk counts as full: the cause must be
+    # read at the failure, before the temporary is removed and frees the room again.
+    disk = tmpfs(tmp_path / "disk", "size=4m")
     mounts.append(disk)
     io = AtomicCheckpointIO()
     last = disk / "last.ckpt"
     io.save_checkpoint({"w": torch.ones(1000)}, last)
     with pytest.raises(WriteError) as exc:
-        io.save_checkpoint({"w": torch.ones(400_000)}, last)  # 1.6 MB on a 256 kB disk
+        io.save_checkpoint({"w": torch.ones(2_000_000)}, last)  # 8 MB on a 4 MiB disk
     msg = str(exc.value)
     assert str(last) in msg and "No space left on device" in msg and "\n" not in msg
     assert not leftovers(disk)

@@ -375,9 +375,11 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         publish(tmp, path)
     except (OSError, RuntimeError) as err:
         # NOTE: torch.save reports a full disk as a RuntimeError ("unexpected pos ..."), not
-        # as an OSError; the free space tells the two apart.
+        # as an OSError; the free space tells the two apart, so it is read before the
+        # temporary is removed (which frees the room again).
+        error = write_error(path, err)
         remove_path(tmp)
-        raise write_error(path, err) from None
+        raise error from None
 
 
 def write_error(path: Path, err: BaseException) -> WriteError:
