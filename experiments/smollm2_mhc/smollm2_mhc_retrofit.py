@@ -346,9 +346,11 @@ def export_rows(model, tok, ckpt: Path, work: Path) -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
     from unicache_train.checkpoint.hf import export_hf
+    from unicache_train.checkpoint.trust import check_export_dir
 
     out = export_hf(model.eval(), work / "export_mhc", tokenizer_from=ckpt)
-    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True,
+    remote = check_export_dir(out)  # our own mHC code, verified byte for byte; nothing else runs
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=remote,
                                               dtype=torch.float32).eval()  # fmt: skip
     rows = []
     for prompt in PROMPTS:
