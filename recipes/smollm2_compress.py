@@ -12,8 +12,10 @@ Stages (settings in ``smollm2_compress.yaml``; every stage is a library call):
 2. calibrate each method's setting to each KV-bytes reduction on held-out text
    (:func:`unicache_train.eval.budget.rate_for_reduction`: bytes measured, never nominal);
 3. evaluate the base: key-value recall (question decoded after the compressed context,
-   :mod:`unicache_train.eval.recall`, held-out seeds) and continuation perplexity on held-out
-   real English (:mod:`unicache_train.eval.text`), uncompressed and for every setting;
+   :mod:`unicache_train.eval.recall`, held-out seeds) and continuation perplexity on English
+   held out by source (the King James Bible, :mod:`unicache_train.data.eval_text`;
+   :mod:`unicache_train.eval.text`), uncompressed and for every setting, each cell's
+   per-prompt predictions and per-block losses in ``<out_dir>/predictions/``;
 4. for each of ``study.finetune``: write the training mix (recall records from training seeds
    + real text), fine-tune with :func:`unicache_train.train.run.fit` (``compress``: the
    ``finetune_setting`` compressor in the loop; ``control``: the same splits and loss with
@@ -151,8 +153,13 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
 
 
 # ------------------------------------------------------------------------------ evaluation
-def evaluate(model, tok, name, settings, tasks, study, blocks, log) -> list[dict[str, Any]]:
+def evaluate(
+    model, tok, name, settings, tasks, study, blocks, log, out: Path | None = None
+) -> list[dict[str, Any]]:
+    """Rows of the results table; with ``out``, every cell's per-prompt predictions and
+    per-block losses too (``<out>/predictions/<model>__<setting>__<task>.jsonl``)."""
     from unicache_train.eval import recall_records, run_recall, run_text_perplexity
+    from unicache_train.eval.recall import write_predictions
 
     records = {
         t.name: recall_records(t, int(study["num_recall"]), int(study["recall_seed"]))
@@ -163,10 +170,17 @@ def evaluate(model, tok, name, settings, tasks, study, blocks, log) -> list[dict
         t0 = time.time()
         text = run_text_perplexity(model, blocks, int(study["text_context"]), s.build())
         ppl0 = text.perplexity if s.method == "none" else ppl0
+        cell = f"{name.replace(' ', '_')}__{s.method}@{s.target:g}"
+        if out is not None:
+            losses = zip(text.block_nll_sum, text.block_tokens)
+            per_block = [{"block": i, "nll": v, "tokens": t} for i, (v, t) in enumerate(losses)]
+            write_predictions(per_block, out / "predictions" / f"{cell}__ppl.jsonl")
         for task in tasks:
             r = run_recall(
                 model, tok, records[task.name], s.build(), batch_size=int(study["batch_size"])
             )
+            if out is not None:
+                write_predictions(r.rows, out / "predictions" / f"{cell}__{task.name}.jsonl")
             rows.append({
                 "model": name, "method": s.method, "target_reduction": s.target,
                 "rate": s.rate, "kv_reduction": r.kv_reduction, "task": task.name,
@@ -179,9 +193,12 @@ def evaluate(model, tok, name, settings, tasks, study, blocks, log) -> list[dict
 
 
 def _fmt_row(r: dict[str, Any]) -> str:
+    from unicache_train.eval.stats import wilson_interval
+
+    lo, hi = wilson_interval(round(r["recall"] * r["n"]), int(r["n"]))
     return (
         f"{r['model']:<18} {r['method']:<14} {r['kv_reduction']:5.2f}x {r['task']:<10} "
-        f"recall {r['recall']:.2f} ± {r['recall_se']:.2f}  ppl {r['ppl']:.2f} "
+        f"recall {r['recall']:.2f} [{lo:.2f}, {hi:.2f}] (n={r['n']})  ppl {r['ppl']:.2f} "
         f"({100 * r['ppl_delta']:+.1f}%)"
     )
 
@@ -240,8 +257,8 @@ def checkpoint_family(ckpt_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from unicache_train.checkpoint.gguf import KNOWN, fetch
     from unicache_train.checkpoint.hf import import_hf
+    from unicache_train.data.eval_text import eval_documents, fetch_eval_text
     from unicache_train.data.recall_mix import EVAL_SEED_FLOOR
-    from unicache_train.data.reference_text import reference_documents
     from unicache_train.data.tokenizer import load_tokenizer
     from unicache_train.eval import RecallTask
     from unicache_train.eval.report import read_results, write_results
@@ -274,8 +291,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     family = checkpoint_family(ckpt_dir)
     tok = load_tokenizer(str(ckpt_dir))
     tasks = [RecallTask(**t) for t in study["tasks"]]
+    fetch_eval_text()  # the held-out-by-source prose (a no-op once it is in the cache)
     blocks = text_blocks(
-        tok, reference_documents("heldout"), int(study["text_block"]), int(study["text_blocks"])
+        tok, eval_documents(), int(study["text_block"]), int(study["text_blocks"])
     )
     ctx = int(study["text_context"])
     calib = blocks[:2]
@@ -289,7 +307,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         rows += read_results(path)  # rows of earlier runs (e.g. the base, evaluated once)
     if study.get("evaluate_base", True):
         label = str(study["label"])
-        rows += evaluate(model, tok, label, settings, tasks, study, blocks, log)
+        rows += evaluate(model, tok, label, settings, tasks, study, blocks, log, out)
         write_results(rows, out, header)
     ft_method, ft_red = parse_setting(study["finetune_setting"])
     ft_cfg = next(
@@ -306,7 +324,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         log(f"[{time.time() - t_start:.0f}s] fine-tuning: {kind}")
         ft_model, export = finetune(kind, ckpt_dir, run, study, ft_cfg, out, family)
         log(f"[{time.time() - t_start:.0f}s] exported {export}")
-        rows += evaluate(ft_model, tok, f"{kind} fine-tune", settings, tasks, study, blocks, log)
+        rows += evaluate(ft_model, tok, f"{kind} fine-tune", settings, tasks, study, blocks, log,
+                         out)  # fmt: skip
         write_results(rows, out, header)
         del ft_model
     log(f"[{time.time() - t_start:.0f}s] done; results in {out}/results.csv, .md, .png")

@@ -116,3 +116,31 @@ def test_results_table_and_plot_take_kvpress_rows_and_several_tasks(tmp_path) ->
     assert (tmp_path / "results.png").stat().st_size > 10_000
     back = read_results(tmp_path / "results.csv")
     assert [r["method"] for r in back] == [r["method"] for r in rows]
+
+
+@torch.no_grad()
+def test_evaluate_writes_per_prompt_predictions_and_per_block_losses(recipe, tmp_path) -> None:
+    import json
+
+    from unicache_train.data.tokenizer import ByteTokenizer
+    from unicache_train.eval import RecallTask
+    from unicache_train.eval.text import text_blocks
+    from unicache_train.seam import IdentityCompressor
+
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(vocab_size=259, hidden_size=32, intermediate_size=48,
+                                num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2)).eval()  # fmt: skip
+    tok = ByteTokenizer()
+    blocks = text_blocks(tok, ["The quick brown fox jumps over the lazy dog. " * 8], 48, 3)
+    study = {"num_recall": 3, "recall_seed": 1_000_003, "text_context": 32, "batch_size": 2}
+    settings = [recipe.Setting("none", 1.0, 0.0, IdentityCompressor)]
+    rows = recipe.evaluate(model, tok, "base", settings, [RecallTask(3, value_digits=2)], study,
+                           blocks, lambda m: None, tmp_path)  # fmt: skip
+    pred = tmp_path / "predictions" / "base__none@1__recall3.jsonl"
+    got = [json.loads(x) for x in pred.read_text().splitlines()]
+    assert [r["id"] for r in got] == [f"recall3/1000003/{i}" for i in range(3)]
+    assert sum(r["correct"] for r in got) == round(rows[0]["recall"] * 3)
+    ppl_file = pred.parent / "base__none@1__ppl.jsonl"
+    ppl = [json.loads(x) for x in ppl_file.read_text().splitlines()]
+    assert len(ppl) == 3 and all(r["tokens"] == 16 for r in ppl)
