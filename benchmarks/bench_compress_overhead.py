@@ -168,15 +168,17 @@ def _config(
     return RunConfig(
         model=_model_config(args),
         data=_data(args),
-        compress=CompressionTrainConfig.from_dict(dict(
-            enabled=enabled,
-            method=method,
-            preset="text_style_baseline",
-            unicache={"target_rate": args.rate, "quantize": {"bits": args.bits}},
-            xkv=xkv,
-            min_context=32,
-            kl_weight=kl_weight,
-        )),
+        compress=CompressionTrainConfig.from_dict(
+            dict(
+                enabled=enabled,
+                method=method,
+                preset="text_style_baseline",
+                unicache={"target_rate": args.rate, "quantize": {"bits": args.bits}},
+                xkv=xkv,
+                min_context=32,
+                kl_weight=kl_weight,
+            )
+        ),
     )
 
 
@@ -218,6 +220,7 @@ def run(args) -> list[Case]:
 
 def write_report(args, cases: list[Case]) -> None:
     plain = next(c for c in cases if c.name == "plain")
+
     def memory(c: Case) -> dict[str, str]:
         if c.peak_step_bytes is None:
             return {}
@@ -242,8 +245,11 @@ def write_report(args, cases: list[Case]) -> None:
         f"training step, {args.hf or 'tiny'}: {mc.num_hidden_layers} layers x "
         f"{mc.hidden_size}, B={args.batch_size}, "
         f"T={args.seq_len}, UniCache text_style_baseline rate {args.rate}, int{args.bits}, "
-        + ("peak memory of one step (no timing)" if args.memory_only
-           else f"{args.repeats} repeats (round-robin)")
+        + (
+            "peak memory of one step (no timing)"
+            if args.memory_only
+            else f"{args.repeats} repeats (round-robin)"
+        )
     )
     setup = {
         "layers": mc.num_hidden_layers if not args.hf else f"{args.hf} ({mc.num_hidden_layers})",
@@ -281,19 +287,32 @@ def main() -> None:
     p.add_argument("--no-kl", dest="kl", action="store_false", help="skip the inloop_kl case")
     p.add_argument("--hf", default=None, help="a fetched checkpoint name (smollm2) or HF dir")
     p.add_argument("--xkv", action="store_true", help="also xKV in the loop (inloop_xkv)")
-    p.add_argument("--xkv-only", action="store_true",
-                   help="with --xkv: no UniCache cases (plain and xKV only)")
-    p.add_argument("--xkv-kl", action="store_true",
-                   help="with --xkv and the KL term: also xKV with KL (inloop_xkv_kl)")
-    p.add_argument("--compare-old", action="store_true",
-                   help="also each in-loop case on the code before issue 20 (*_old, timed in "
-                        "the same round-robin): the compressor's reference kernels "
-                        "(compress/kernels.py) and xKV's previous defaults (XKV_OLD)")
+    p.add_argument(
+        "--xkv-only", action="store_true", help="with --xkv: no UniCache cases (plain and xKV only)"
+    )
+    p.add_argument(
+        "--xkv-kl",
+        action="store_true",
+        help="with --xkv and the KL term: also xKV with KL (inloop_xkv_kl)",
+    )
+    p.add_argument(
+        "--compare-old",
+        action="store_true",
+        help="also each in-loop case on the code before issue 20 (*_old, timed in "
+        "the same round-robin): the compressor's reference kernels "
+        "(compress/kernels.py) and xKV's previous defaults (XKV_OLD)",
+    )
     p.add_argument("--xkv-reduction", type=float, default=4.0, help="xKV KV reduction")
-    p.add_argument("--memory", action="store_true",
-                   help="also the peak allocator bytes of one step (torch.profiler)")
-    p.add_argument("--memory-only", action="store_true",
-                   help="only the peak memory (no timing: valid on a loaded machine)")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also the peak allocator bytes of one step (torch.profiler)",
+    )
+    p.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="only the peak memory (no timing: valid on a loaded machine)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -121,8 +121,9 @@ def measure_memory(args: argparse.Namespace, n: int, recompute: bool):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
-    allocs = sorted((e for e in nodes if e.tag == _EventType.Allocation),
-                    key=lambda e: e.start_time_ns)
+    allocs = sorted(
+        (e for e in nodes if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns
+    )
     fwd_end = max(e.end_time_ns for e in nodes if e.name == "bench_forward")
     live = [(e.start_time_ns, e.extra_fields.total_allocated) for e in allocs]
     # Frees are allocation events too (negative size): the last event before the forward ends
@@ -133,8 +134,10 @@ def measure_memory(args: argparse.Namespace, n: int, recompute: bool):
 
 
 def machine() -> str:
-    return (f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads").replace("  ", " ")
+    return (
+        f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    ).replace("  ", " ")
 
 
 def main() -> None:
@@ -165,17 +168,20 @@ def main() -> None:
     for r in results:
         r.step_ratio = r.step_s / off[r.hc_mult].step_s
 
-    shape = (f"hidden {args.hidden}, {args.layers} layers, B {args.batch}, T {args.seq}, "
-             f"fp32, AdamW")
+    shape = f"hidden {args.hidden}, {args.layers} layers, B {args.batch}, T {args.seq}, fp32, AdamW"
     print(f"peak memory of one training step ({shape}); MiB")
-    header = f"{'n':>3} {'recompute':>9} {'params':>8} {'static':>8} {'act@fwd':>9} " \
-             f"{'peak':>8} {'peak vs off':>11} {'step_ratio':>10}"
+    header = (
+        f"{'n':>3} {'recompute':>9} {'params':>8} {'static':>8} {'act@fwd':>9} "
+        f"{'peak':>8} {'peak vs off':>11} {'step_ratio':>10}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         rel = r.peak / off[r.hc_mult].peak
-        print(f"{r.hc_mult:>3} {str(r.recompute):>9} {r.params / MiB:8.2f} {r.static / MiB:8.2f} "
-              f"{r.act_fwd / MiB:9.2f} {r.peak / MiB:8.2f} {rel:11.2f} {r.step_ratio:10.2f}")
+        print(
+            f"{r.hc_mult:>3} {str(r.recompute):>9} {r.params / MiB:8.2f} {r.static / MiB:8.2f} "
+            f"{r.act_fwd / MiB:9.2f} {r.peak / MiB:8.2f} {rel:11.2f} {r.step_ratio:10.2f}"
+        )
     if args.no_csv:
         return
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -184,14 +190,43 @@ def main() -> None:
     with RESULTS.open("a", newline="") as fh:
         w = csv.writer(fh)
         if new:
-            w.writerow(["time", "machine", "hidden", "layers", "batch", "seq", "hc_mult",
-                        "recompute", "params_mib", "static_mib", "act_fwd_mib", "peak_mib",
-                        "step_s", "step_ratio"])
+            w.writerow(
+                [
+                    "time",
+                    "machine",
+                    "hidden",
+                    "layers",
+                    "batch",
+                    "seq",
+                    "hc_mult",
+                    "recompute",
+                    "params_mib",
+                    "static_mib",
+                    "act_fwd_mib",
+                    "peak_mib",
+                    "step_s",
+                    "step_ratio",
+                ]
+            )
         for r in results:
-            w.writerow([stamp, machine(), args.hidden, args.layers, args.batch, args.seq,
-                        r.hc_mult, r.recompute, f"{r.params / MiB:.3f}", f"{r.static / MiB:.3f}",
-                        f"{r.act_fwd / MiB:.3f}", f"{r.peak / MiB:.3f}", f"{r.step_s:.4f}",
-                        f"{r.step_ratio:.3f}"])
+            w.writerow(
+                [
+                    stamp,
+                    machine(),
+                    args.hidden,
+                    args.layers,
+                    args.batch,
+                    args.seq,
+                    r.hc_mult,
+                    r.recompute,
+                    f"{r.params / MiB:.3f}",
+                    f"{r.static / MiB:.3f}",
+                    f"{r.act_fwd / MiB:.3f}",
+                    f"{r.peak / MiB:.3f}",
+                    f"{r.step_s:.4f}",
+                    f"{r.step_ratio:.3f}",
+                ]
+            )
     print(f"appended {len(results)} rows to {RESULTS}")
 
 

@@ -47,8 +47,13 @@ class Plain(nn.Module):
 class Ours(Plain):
     def __init__(self, C: int, layers: int, n: int) -> None:
         super().__init__(C, layers)
-        cfg = ModelConfig(hidden_size=C, num_attention_heads=1, num_key_value_heads=1,
-                          residual_mode="mhc", hc_mult=n)
+        cfg = ModelConfig(
+            hidden_size=C,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            residual_mode="mhc",
+            hc_mult=n,
+        )
         self.hcs = nn.ModuleList(HyperConnection(cfg) for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, n, C]
@@ -90,8 +95,9 @@ def step_time(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-def time_cases(cases: list[tuple[nn.Module, torch.Tensor]], warmup: int, repeats: int,
-               interleave: bool) -> list[float]:
+def time_cases(
+    cases: list[tuple[nn.Module, torch.Tensor]], warmup: int, repeats: int, interleave: bool
+) -> list[float]:
     """Median ms per case. ``interleave``: round-robin, one step of each case per repeat (the
     order rotating), so load that comes and goes hits every case alike; else one case after
     another."""
@@ -122,39 +128,80 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--sequential", action="store_true",
-                   help="time the cases one after another instead of round-robin")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time the cases one after another instead of round-robin",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    machine = (f"{platform.processor() or platform.machine()} threads={torch.get_num_threads()} "
-               f"torch={torch.__version__} load1={load:.1f} "
-               f"{'sequential' if args.sequential else 'round-robin'} repeats={args.repeats}")
+    machine = (
+        f"{platform.processor() or platform.machine()} threads={torch.get_num_threads()} "
+        f"torch={torch.__version__} load1={load:.1f} "
+        f"{'sequential' if args.sequential else 'round-robin'} repeats={args.repeats}"
+    )
     rows = []
-    print(f"{'C':>6} {'plain ms':>9} {'ours ms':>8} {'hf ms':>8} {'ours +%':>8} {'hf +%':>7} "
-          f"{'ours/hf overhead':>17}")
+    print(
+        f"{'C':>6} {'plain ms':>9} {'ours ms':>8} {'hf ms':>8} {'ours +%':>8} {'hf +%':>7} "
+        f"{'ours/hf overhead':>17}"
+    )
     for C in args.widths:
         x1 = torch.randn(1, args.tokens, C)
         xn = x1.unsqueeze(2).expand(1, args.tokens, args.n, C).contiguous()
         t_plain, t_ours, t_hf = time_cases(
-            [(Plain(C, args.layers), x1), (Ours(C, args.layers, args.n), xn),
-             (HF(C, args.layers, args.n), xn)],
-            args.warmup, args.repeats, interleave=not args.sequential)
+            [
+                (Plain(C, args.layers), x1),
+                (Ours(C, args.layers, args.n), xn),
+                (HF(C, args.layers, args.n), xn),
+            ],
+            args.warmup,
+            args.repeats,
+            interleave=not args.sequential,
+        )
         o_ours, o_hf = t_ours / t_plain - 1, t_hf / t_plain - 1
         ratio = o_ours / o_hf if o_hf > 0 else float("nan")
-        print(f"{C:>6} {t_plain:9.1f} {t_ours:8.1f} {t_hf:8.1f} {100 * o_ours:7.0f}% "
-              f"{100 * o_hf:6.0f}% {ratio:17.2f}")
-        rows.append([C, args.tokens, args.layers, args.n, t_plain, t_ours, t_hf, o_ours, o_hf,
-                     ratio, machine])
+        print(
+            f"{C:>6} {t_plain:9.1f} {t_ours:8.1f} {t_hf:8.1f} {100 * o_ours:7.0f}% "
+            f"{100 * o_hf:6.0f}% {ratio:17.2f}"
+        )
+        rows.append(
+            [
+                C,
+                args.tokens,
+                args.layers,
+                args.n,
+                t_plain,
+                t_ours,
+                t_hf,
+                o_ours,
+                o_hf,
+                ratio,
+                machine,
+            ]
+        )
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "bench_mhc_overhead.csv"
     with out.open("a", newline="") as fh:
         w = csv.writer(fh)
         if fh.tell() == 0:
-            w.writerow(["width", "tokens", "layers", "n", "plain_ms", "ours_ms", "hf_ms",
-                        "ours_overhead", "hf_overhead", "ours_over_hf_overhead", "machine"])
+            w.writerow(
+                [
+                    "width",
+                    "tokens",
+                    "layers",
+                    "n",
+                    "plain_ms",
+                    "ours_ms",
+                    "hf_ms",
+                    "ours_overhead",
+                    "hf_overhead",
+                    "ours_over_hf_overhead",
+                    "machine",
+                ]
+            )
         w.writerows(rows)
     print(f"appended {len(rows)} rows to {out}")
 

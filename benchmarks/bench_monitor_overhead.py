@@ -30,14 +30,30 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def run_once(gain: bool, every: int, steps: int, out: Path) -> float:
     cfg = RunConfig(
-        model=ModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, residual_mode="mhc",
-                          hc_mult=4),
-        data=DataConfig(seq_len=128, batch_size=8,
-                        synthetic=SyntheticDataConfig(num_stories=300, num_recall=300)),
-        train=TrainConfig(max_steps=steps, warmup_steps=5, val_every_n_steps=10_000,
-                          limit_val_batches=0, checkpoint_every_n_steps=10_000,
-                          accelerator="cpu", out_dir=str(out), progress_bar=False),
+        model=ModelConfig(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            residual_mode="mhc",
+            hc_mult=4,
+        ),
+        data=DataConfig(
+            seq_len=128,
+            batch_size=8,
+            synthetic=SyntheticDataConfig(num_stories=300, num_recall=300),
+        ),
+        train=TrainConfig(
+            max_steps=steps,
+            warmup_steps=5,
+            val_every_n_steps=10_000,
+            limit_val_batches=0,
+            checkpoint_every_n_steps=10_000,
+            accelerator="cpu",
+            out_dir=str(out),
+            progress_bar=False,
+        ),
         logging=LoggingConfig(logger="none"),
         monitor=MonitorConfig(gain=gain, gain_every_n_steps=every, plots=False),
     )
@@ -68,9 +84,18 @@ def main() -> None:
         w = csv.writer(fh)
         if fh.tell() == 0:
             w.writerow(["steps", "every", "repeats", "off_s", "on_s", "ratio", "machine"])
-        w.writerow([args.steps, args.every, args.repeats, round(t_off, 3), round(t_on, 3),
-                    round(ratio, 4), f"{platform.machine()} threads={torch.get_num_threads()} "
-                    f"torch={torch.__version__} load1={load:.1f}"])
+        w.writerow(
+            [
+                args.steps,
+                args.every,
+                args.repeats,
+                round(t_off, 3),
+                round(t_on, 3),
+                round(ratio, 4),
+                f"{platform.machine()} threads={torch.get_num_threads()} "
+                f"torch={torch.__version__} load1={load:.1f}",
+            ]
+        )
 
 
 if __name__ == "__main__":

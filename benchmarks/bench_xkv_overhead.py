@@ -166,20 +166,22 @@ def _config(args, method: str, enabled: bool = True, kl_weight: float = 0.0, **x
             num_key_value_heads=2,
         ),
         data=bench_data(args),
-        compress=CompressionTrainConfig.from_dict(dict(
-            enabled=enabled,
-            method=method,
-            preset="text_style_baseline",
-            unicache={"target_rate": args.unicache_rate, "quantize": {"bits": 8}},
-            xkv={
-                "group_size": args.group_size,
-                "rank_mode": "reduction",
-                "reduction": args.reduction,
-                **xkv,
-            },
-            min_context=32,
-            kl_weight=kl_weight,
-        )),
+        compress=CompressionTrainConfig.from_dict(
+            dict(
+                enabled=enabled,
+                method=method,
+                preset="text_style_baseline",
+                unicache={"target_rate": args.unicache_rate, "quantize": {"bits": 8}},
+                xkv={
+                    "group_size": args.group_size,
+                    "rank_mode": "reduction",
+                    "reduction": args.reduction,
+                    **xkv,
+                },
+                min_context=32,
+                kl_weight=kl_weight,
+            )
+        ),
     )
 
 
@@ -212,10 +214,16 @@ def write_report(args, cases: list[Case]) -> None:
         f"UniCache rate {args.unicache_rate} int8, {args.repeats} repeats (round-robin)"
     )
     setup = {
-        "layers": args.layers, "hidden_size": args.hidden_size, "batch_size": args.batch_size,
-        "seq_len": args.seq_len, "reduction": args.reduction, "group_size": args.group_size,
-        "refresh": args.refresh, "unicache_rate": args.unicache_rate, "repeats": args.repeats,
-    }  # fmt: skip
+        "layers": args.layers,
+        "hidden_size": args.hidden_size,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "reduction": args.reduction,
+        "group_size": args.group_size,
+        "refresh": args.refresh,
+        "unicache_rate": args.unicache_rate,
+        "repeats": args.repeats,
+    }
     report(title, rows, "bench_xkv_overhead", setup)
 
 
@@ -225,8 +233,12 @@ def main() -> None:
     p.add_argument("--reduction", type=float, default=4.0, help="xKV KV reduction")
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--refresh", type=int, default=8, help="refresh_every of xkv_refresh")
-    p.add_argument("--unicache-rate", type=float, default=0.58,
-                   help="UniCache rate of the reference case (0.58 + int8: ~4.2x)")  # fmt: skip
+    p.add_argument(
+        "--unicache-rate",
+        type=float,
+        default=0.58,
+        help="UniCache rate of the reference case (0.58 + int8: ~4.2x)",
+    )
     p.add_argument("--kl", action="store_true", help="also the cases with the KL term")
     args = p.parse_args()
     if args.threads:

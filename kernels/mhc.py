@@ -406,9 +406,22 @@ def mix_backward(
             np2 = triton.next_power_of_2(n)
             bc = _block_c(C, np2 * np2, _TILE_3D)
             _mix_bwd_kernel[(M,)](
-                x, f, post, res, g, dx, df, dpost, dres, C,
-                N=n, NP=np2, BC=bc, DT=_tl_dtype(cdt), num_warps=4,
-            )  # fmt: skip
+                x,
+                f,
+                post,
+                res,
+                g,
+                dx,
+                df,
+                dpost,
+                dres,
+                C,
+                N=n,
+                NP=np2,
+                BC=bc,
+                DT=_tl_dtype(cdt),
+                num_warps=4,
+            )
     return dx, df, dpost.to(post.dtype), dres.to(res.dtype)
 
 
@@ -453,9 +466,21 @@ def rms_project_forward(
     acc = torch.empty((splits, M, K), dtype=cdt, device=x.device)
     ss = torch.empty((splits, M), dtype=cdt, device=x.device)
     _proj_fwd_kernel[(n_row, splits)](
-        x, w, acc, ss, M, NC, cols,
-        K=K, KP=kp, BM=bm, BK=bk, DT=_tl_dtype(cdt), DOT=dot, num_warps=4,
-    )  # fmt: skip
+        x,
+        w,
+        acc,
+        ss,
+        M,
+        NC,
+        cols,
+        K=K,
+        KP=kp,
+        BM=bm,
+        BK=bk,
+        DT=_tl_dtype(cdt),
+        DOT=dot,
+        num_warps=4,
+    )
     inv = torch.rsqrt(ss.sum(0) / NC + eps)  # [M]
     raw = acc.sum(0).mul_(inv[:, None])  # [M, K]
     return raw.to(w.dtype), inv.to(w.dtype)
@@ -491,9 +516,23 @@ def rms_project_backward(
     splits = triton.cdiv(M, rows)
     gw_part = torch.empty((splits, K, NC), dtype=cdt, device=x.device)
     _proj_bwd_kernel[(n_col, splits)](
-        x, w, gs, coef, dx, gw_part, M, NC, rows,
-        K=K, KP=kp, BM=bm, BN=bn, DT=_tl_dtype(cdt), DOT=dot, num_warps=4,
-    )  # fmt: skip
+        x,
+        w,
+        gs,
+        coef,
+        dx,
+        gw_part,
+        M,
+        NC,
+        rows,
+        K=K,
+        KP=kp,
+        BM=bm,
+        BN=bn,
+        DT=_tl_dtype(cdt),
+        DOT=dot,
+        num_warps=4,
+    )
     return dx, gw_part.sum(0).to(w.dtype)
 
 

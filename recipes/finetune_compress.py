@@ -91,21 +91,31 @@ def before_after(base: list[dict[str, Any]], tuned: list[dict[str, Any]]) -> lis
         # Recall cannot show a drop when the base recalls nothing: that check is n/a, not a pass.
         recall_ok = None if not ref_acc > 0 else r["recall_acc"] >= ref_acc - QUALITY_ACC_DROP_MAX
         checks = (
-            ppl_inc <= QUALITY_PPL_INCREASE_MAX, r["attn_kl"] < QUALITY_ATTN_KL_MAX, recall_ok
+            ppl_inc <= QUALITY_PPL_INCREASE_MAX,
+            r["attn_kl"] < QUALITY_ATTN_KL_MAX,
+            recall_ok,
         )
         s6 = False if False in checks else (None if None in checks else True)
 
-        out.append({
-            "model": label, "rate_realized": r.get("rate_realized", float("nan")),
-            "ppl": r["ppl"], "ppl_increase": ppl_inc,
-            "recall_acc": r["recall_acc"], "acc_vs_uncompressed": acc_frac,
-            "kv_reduction": reduction,
-            "attn_kl": r["attn_kl"], "output_kl": r["output_kl"],
-            "checks_s6": _verdict(s6, compressed),
-            "target_kv": _verdict(reduction >= TARGET_KV_REDUCTION, compressed),
-            "target_ppl": _verdict(ppl_inc <= TARGET_PPL_INCREASE, compressed),
-            "target_recall": _verdict(acc_frac >= TARGET_ACC_FRACTION, compressed and ref_acc > 0),
-        })  # fmt: skip
+        out.append(
+            {
+                "model": label,
+                "rate_realized": r.get("rate_realized", float("nan")),
+                "ppl": r["ppl"],
+                "ppl_increase": ppl_inc,
+                "recall_acc": r["recall_acc"],
+                "acc_vs_uncompressed": acc_frac,
+                "kv_reduction": reduction,
+                "attn_kl": r["attn_kl"],
+                "output_kl": r["output_kl"],
+                "checks_s6": _verdict(s6, compressed),
+                "target_kv": _verdict(reduction >= TARGET_KV_REDUCTION, compressed),
+                "target_ppl": _verdict(ppl_inc <= TARGET_PPL_INCREASE, compressed),
+                "target_recall": _verdict(
+                    acc_frac >= TARGET_ACC_FRACTION, compressed and ref_acc > 0
+                ),
+            }
+        )
     return out
 
 
@@ -125,7 +135,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     t0 = time.perf_counter()
     base = base_stage(options, ft)
     base_ckpt, base_model, loader, rank0, times = (
-        base.checkpoint, base.model, base.loader, base.rank0, base.times
+        base.checkpoint,
+        base.model,
+        base.loader,
+        base.rank0,
+        base.times,
     )
 
     t = time.perf_counter()

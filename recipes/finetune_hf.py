@@ -78,9 +78,13 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 def build(hf: dict[str, Any], data: dict[str, Any]) -> RunConfig:
     """Import (and convert) the checkpoint, write the init weights, return the run config."""
     return prepare_hf_run(
-        hf["checkpoint_dir"], data, mhc=bool(hf["mhc"]), hc_mult=int(hf["hc_mult"]),
-        hc_preset=hf["hc_preset"], seed=int(hf["seed"]),
-    )  # fmt: skip
+        hf["checkpoint_dir"],
+        data,
+        mhc=bool(hf["mhc"]),
+        hc_mult=int(hf["hc_mult"]),
+        hc_preset=hf["hc_preset"],
+        seed=int(hf["seed"]),
+    )
 
 
 def main(argv: list[str] | None = None):
@@ -95,9 +99,14 @@ def main(argv: list[str] | None = None):
         model = trainer.lightning_module.model.float().eval()
         # The policy the model was tuned for travels with it (compression_config.json; read by
         # unicache_train.transformers_cache.CompressedCache and `unicache-train generate`).
-        export_hf(model, hf["export_dir"], family=family, dtype=hf["export_dtype"],
-                  compression_policy=policy_of(config.compress),
-                  tokenizer_from=config.data.tokenizer)  # fmt: skip
+        export_hf(
+            model,
+            hf["export_dir"],
+            family=family,
+            dtype=hf["export_dtype"],
+            compression_policy=policy_of(config.compress),
+            tokenizer_from=config.data.tokenizer,
+        )
     return trainer
 
 

@@ -136,23 +136,29 @@ def table(
             return x / ref["ppl"] - 1.0
 
         nan = float("nan")
-        out.append({
-            "target_reduction": target, "method": method, "setting": label,
-            "kv_reduction": r["kv_reduction"],
-            "ppl_base_uncompressed": ref["ppl"],
-            "ppl_base_compressed": r["ppl"], "base_increase": rel(r["ppl"]),
-            "ppl_ft_compressed": ft["ppl"] if ft else nan,
-            "ft_increase": rel(ft["ppl"]) if ft else nan,
-            "ppl_ft_uncompressed": ft_plain["ppl"] if ft_plain else nan,
-            "ppl_ctrl_compressed": ctrl["ppl"] if ctrl else nan,
-            "ctrl_increase": rel(ctrl["ppl"]) if ctrl else nan,
-            "ppl_ctrl_uncompressed": control[0]["ppl"] if control else nan,
-            "recall_base_uncompressed": ref["recall_acc"],
-            "recall_base_compressed": r["recall_acc"],
-            "recall_ft_compressed": ft["recall_acc"] if ft else nan,
-            "recall_ctrl_compressed": ctrl["recall_acc"] if ctrl else nan,
-            "attn_kl_base": r["attn_kl"], "attn_kl_ft": ft["attn_kl"] if ft else nan,
-        })  # fmt: skip
+        out.append(
+            {
+                "target_reduction": target,
+                "method": method,
+                "setting": label,
+                "kv_reduction": r["kv_reduction"],
+                "ppl_base_uncompressed": ref["ppl"],
+                "ppl_base_compressed": r["ppl"],
+                "base_increase": rel(r["ppl"]),
+                "ppl_ft_compressed": ft["ppl"] if ft else nan,
+                "ft_increase": rel(ft["ppl"]) if ft else nan,
+                "ppl_ft_uncompressed": ft_plain["ppl"] if ft_plain else nan,
+                "ppl_ctrl_compressed": ctrl["ppl"] if ctrl else nan,
+                "ctrl_increase": rel(ctrl["ppl"]) if ctrl else nan,
+                "ppl_ctrl_uncompressed": control[0]["ppl"] if control else nan,
+                "recall_base_uncompressed": ref["recall_acc"],
+                "recall_base_compressed": r["recall_acc"],
+                "recall_ft_compressed": ft["recall_acc"] if ft else nan,
+                "recall_ctrl_compressed": ctrl["recall_acc"] if ctrl else nan,
+                "attn_kl_base": r["attn_kl"],
+                "attn_kl_ft": ft["attn_kl"] if ft else nan,
+            }
+        )
     return out
 
 
@@ -167,12 +173,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     t0 = time.perf_counter()
     base = base_stage(options, ft)
     base_ckpt, base_model, loader, rank0, times = (
-        base.checkpoint, base.model, base.loader, base.rank0, base.times
+        base.checkpoint,
+        base.model,
+        base.loader,
+        base.rank0,
+        base.times,
     )
 
     t = time.perf_counter()
-    base_rows = evaluate(base_model, ft, base.tokenizer, loader, options, "base", rates=[],
-                         xkv_reductions=options.eval_reductions, match_unicache=True)  # fmt: skip
+    base_rows = evaluate(
+        base_model,
+        ft,
+        base.tokenizer,
+        loader,
+        options,
+        "base",
+        rates=[],
+        xkv_reductions=options.eval_reductions,
+        match_unicache=True,
+    )
     times["eval_base"] = time.perf_counter() - t
     matched = {r["target_reduction"]: r["rate"] for r in base_rows if r["method"] == "unicache"}
     tuned: dict[tuple[float, str], list[dict[str, Any]]] = {}
@@ -184,8 +203,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
                     f"recipe.train_reductions: {red} is not in recipe.eval_reductions"
                 )
             rate = matched[red]
-            cfg = sub_config(ft, f"unicache_{red:g}x", method="unicache",
-                             unicache={"target_rate": rate})  # fmt: skip
+            cfg = sub_config(
+                ft, f"unicache_{red:g}x", method="unicache", unicache={"target_rate": rate}
+            )
             runs.append(("unicache", cfg))
         for method, cfg in runs:
             t = time.perf_counter()
@@ -196,11 +216,27 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
             model, _ = load_checkpoint(Path(cfg.train.out_dir) / "checkpoints" / "last.ckpt")
             name = f"finetuned_{method}_{red:g}x"
             if method == "xkv":
-                rows = evaluate(model, cfg, base.tokenizer, loader, options, name, rates=[],
-                                xkv_reductions=[red], match_unicache=False)  # fmt: skip
+                rows = evaluate(
+                    model,
+                    cfg,
+                    base.tokenizer,
+                    loader,
+                    options,
+                    name,
+                    rates=[],
+                    xkv_reductions=[red],
+                    match_unicache=False,
+                )
             else:
-                rows = evaluate(model, cfg, base.tokenizer, loader, options, name,
-                                rates=[cfg.compress.unicache.target_rate])  # fmt: skip
+                rows = evaluate(
+                    model,
+                    cfg,
+                    base.tokenizer,
+                    loader,
+                    options,
+                    name,
+                    rates=[cfg.compress.unicache.target_rate],
+                )
                 rows[1]["method"] = "unicache"
             tuned[(red, method)] = rows
     control = None
@@ -213,11 +249,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
             model, _ = load_checkpoint(Path(cfg.train.out_dir) / "checkpoints" / "last.ckpt")
             # The base's settings (UniCache at the rates calibrated on the base), in the base's
             # row order.
-            xrows = evaluate(model, cfg, base.tokenizer, loader, options, "control_xkv", rates=[],
-                             xkv_reductions=options.eval_reductions,
-                             match_unicache=False)  # fmt: skip
-            by_rate = evaluate(model, cfg, base.tokenizer, loader, options, "control_unicache",
-                               rates=[matched[r] for r in options.eval_reductions])  # fmt: skip
+            xrows = evaluate(
+                model,
+                cfg,
+                base.tokenizer,
+                loader,
+                options,
+                "control_xkv",
+                rates=[],
+                xkv_reductions=options.eval_reductions,
+                match_unicache=False,
+            )
+            by_rate = evaluate(
+                model,
+                cfg,
+                base.tokenizer,
+                loader,
+                options,
+                "control_unicache",
+                rates=[matched[r] for r in options.eval_reductions],
+            )
             control = [xrows[0]]
             for r in base_rows[1:]:
                 src = xrows if r["method"] == "xkv" else by_rate
@@ -228,8 +279,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     times["total"] = time.perf_counter() - t0
     rows = table(base_rows, tuned, control)
     xc = ft.compress.xkv
-    print(f"\nxKV (group {xc.group_size}, {xc.gradient} gradient) vs UniCache "
-          f"({ft.compress.preset}, int8) at the same KV bytes; base {base_ckpt}")  # fmt: skip
+    print(
+        f"\nxKV (group {xc.group_size}, {xc.gradient} gradient) vs UniCache "
+        f"({ft.compress.preset}, int8) at the same KV bytes; base {base_ckpt}"
+    )
     print(text_table(rows))
     print("increase: perplexity on continuations vs the base uncompressed")
     print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()))

@@ -1,7 +1,7 @@
 """Pretrain a tiny decoder on the bundled synthetic corpus.
 
-    python recipes/pretrain_tiny.py [train.max_steps=100 ...]
-    fabric run --accelerator cpu --devices 2 --strategy ddp recipes/pretrain_tiny.py
+python recipes/pretrain_tiny.py [train.max_steps=100 ...]
+fabric run --accelerator cpu --devices 2 --strategy ddp recipes/pretrain_tiny.py
 """
 
 from pathlib import Path

@@ -141,9 +141,12 @@ def parse_args(argv: list[str]) -> tuple[RecipeOptions, Any]:
         **run_sections(VLMRunConfig),
     }
     data = parse_recipe_args(
-        argv, HERE / "vlm_tiny.yaml", sections, doc=__doc__,
+        argv,
+        HERE / "vlm_tiny.yaml",
+        sections,
+        doc=__doc__,
         flags={"--checkpoint": "recipe.base_checkpoint"},
-    )  # fmt: skip
+    )
     options = build_section(RecipeOptions, data, "recipe", lifted=("finetune",))
     return options, VLMRunConfig.from_dict(data)
 

@@ -27,12 +27,19 @@ def kvpress_row(r: dict[str, str]) -> dict:
     """A kvpress_baseline row as a study row (no perplexity: NaN)."""
     nan = float("nan")
     return {
-        "model": r["model"], "method": f"kvpress:{r['press'].removesuffix('Press')}",
-        "target_reduction": float(r["kv_reduction"]), "rate": float(r["compression_ratio"]),
-        "kv_reduction": float(r["kv_reduction"]), "task": r["task"], "recall": float(r["recall"]),
-        "recall_se": float(r["recall_se"]), "n": float(r["n"]), "ppl": nan, "ppl_se": nan,
+        "model": r["model"],
+        "method": f"kvpress:{r['press'].removesuffix('Press')}",
+        "target_reduction": float(r["kv_reduction"]),
+        "rate": float(r["compression_ratio"]),
+        "kv_reduction": float(r["kv_reduction"]),
+        "task": r["task"],
+        "recall": float(r["recall"]),
+        "recall_se": float(r["recall_se"]),
+        "n": float(r["n"]),
+        "ppl": nan,
+        "ppl_se": nan,
         "ppl_delta": nan,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -41,9 +48,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--kvpress", type=Path, nargs="*", default=[], help="kvpress_baseline CSVs")
     p.add_argument(
-        "--kvpress-models", nargs="*", default=None,
+        "--kvpress-models",
+        nargs="*",
+        default=None,
         help="keep only kvpress rows of these models (an older CSV may hold other fine-tunes)",
-    )  # fmt: skip
+    )
     a = p.parse_args()
     rows, header = [], [f"command: python scripts/merge_results.py {' '.join(sys.argv[1:])}"]
     seen: set[tuple] = set()
@@ -55,15 +64,22 @@ def main() -> None:
                 continue
             seen.add(key)
             rows.append(row)
-        header += [f"{path}: {line[2:].strip()}" for line in path.read_text().splitlines()
-                   if line.startswith("# ")]  # fmt: skip
+        header += [
+            f"{path}: {line[2:].strip()}"
+            for line in path.read_text().splitlines()
+            if line.startswith("# ")
+        ]
     for path in a.kvpress:
-        header += [f"{path}: {line[2:].strip()}" for line in path.read_text().splitlines()
-                   if line.startswith("# ")]  # fmt: skip
+        header += [
+            f"{path}: {line[2:].strip()}"
+            for line in path.read_text().splitlines()
+            if line.startswith("# ")
+        ]
         rows += [
-            kvpress_row(r) for r in read_kvpress(path)
+            kvpress_row(r)
+            for r in read_kvpress(path)
             if a.kvpress_models is None or r["model"] in a.kvpress_models
-        ]  # fmt: skip
+        ]
     write_results(rows, a.out, header)
     print((a.out / "results.md").read_text())
 

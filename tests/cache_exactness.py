@@ -27,17 +27,26 @@ from unicache_train.transformers_cache import (
 )
 
 V = 260  # the byte tokenizer's vocabulary: the exports carry a tokenizer
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 LENS = [40, 29, 35]  # a ragged batch
 NEW = 6
 
 # name -> CompressionTrainConfig kwargs (None: no compression_config.json at all)
 POLICIES = {
-    "unicache_int8": dict(method="unicache", preset="text_style_baseline",
-                          unicache={"quantize": {"bits": 8}}),
-    "unicache_int4_merge": dict(method="unicache", preset="default",
-                                unicache={"quantize": {"bits": 4}}),
+    "unicache_int8": dict(
+        method="unicache", preset="text_style_baseline", unicache={"quantize": {"bits": 8}}
+    ),
+    "unicache_int4_merge": dict(
+        method="unicache", preset="default", unicache={"quantize": {"bits": 4}}
+    ),
     "xkv": dict(method="xkv"),
     "unicache+xkv": dict(method="unicache+xkv", preset="text_style_baseline"),
     "off": None,
@@ -64,7 +73,7 @@ def make_model(family: str) -> Decoder:
             attn = layer.self_attn
             D = model.config.head_size
             for proj in (attn.k_proj, attn.v_proj):
-                proj.weight[D:2 * D] = proj.weight[:D] + 0.01 * torch.randn_like(proj.weight[:D])
+                proj.weight[D : 2 * D] = proj.weight[:D] + 0.01 * torch.randn_like(proj.weight[:D])
     return model
 
 
@@ -74,8 +83,13 @@ def export(tmp_path: Path, family: str, policy_name: str) -> Path:
     cc = None if kw is None else CompressionTrainConfig.from_dict({"enabled": True, **kw})
     policy = None if cc is None else policy_of(cc)
     out = tmp_path / f"{family}_{policy_name}"
-    export_hf(model, out, family="llama" if family == "mhc" else family,
-              compression_policy=policy, tokenizer_from="byte")  # fmt: skip
+    export_hf(
+        model,
+        out,
+        family="llama" if family == "mhc" else family,
+        compression_policy=policy,
+        tokenizer_from="byte",
+    )
     return out
 
 
@@ -92,12 +106,19 @@ def hf_generate(out: Path, prompts: list[torch.Tensor], cache=None):
     ids = torch.zeros(len(prompts), P, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, p in enumerate(prompts):  # left padding, as transformers generates
-        ids[b, P - len(p):] = p
-        mask[b, P - len(p):] = 1
+        ids[b, P - len(p) :] = p
+        mask[b, P - len(p) :] = 1
     cache = CompressedCache.from_pretrained(out) if cache is None else cache
-    res = hf.generate(ids, attention_mask=mask, **{CACHE_ARGUMENT: cache}, max_new_tokens=NEW,
-                      do_sample=False, output_logits=True, return_dict_in_generate=True,
-                      pad_token_id=0)  # fmt: skip
+    res = hf.generate(
+        ids,
+        attention_mask=mask,
+        **{CACHE_ARGUMENT: cache},
+        max_new_tokens=NEW,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     return res.sequences[:, P:], torch.stack(res.logits, 1), cache
 
 
@@ -119,8 +140,11 @@ def ours(out: Path, prompts: list[torch.Tensor]):
 
 
 CASES = [("llama", p) for p in POLICIES] + [
-    ("qwen2", "unicache_int8"), ("qwen3", "unicache_int4_merge"), ("mistral", "xkv"),
-    ("mhc", "unicache_int8"), ("mhc", "xkv"),
+    ("qwen2", "unicache_int8"),
+    ("qwen3", "unicache_int4_merge"),
+    ("mistral", "xkv"),
+    ("mhc", "unicache_int8"),
+    ("mhc", "xkv"),
 ]
 
 
@@ -151,8 +175,11 @@ def check(tmp_path: Path, family: str, policy_name: str) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True, help="scratch directory for the exports")
-    p.add_argument("--cases", default="llama:unicache_int8,llama:xkv,mhc:unicache_int8",
-                   help="family:policy,... (default: three of CASES)")
+    p.add_argument(
+        "--cases",
+        default="llama:unicache_int8,llama:xkv,mhc:unicache_int8",
+        help="family:policy,... (default: three of CASES)",
+    )
     args = p.parse_args(argv)
     for case in args.cases.split(","):
         family, policy_name = case.split(":")

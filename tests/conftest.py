@@ -23,8 +23,14 @@ def pytest_collection_modifyitems(config, items):
 
 #: The tiny decoder most tests build (GQA 4 query / 2 KV heads, vocabulary 97): small enough for
 #: CPU, large enough that every head, group and layer path runs.
-TINY_MODEL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+TINY_MODEL = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def tiny_model_config(**overrides) -> ModelConfig:

@@ -21,25 +21,39 @@ FABRIC = Path(sys.executable).with_name("fabric")
 
 # 2 layers, hidden 64, mHC n = 4: small enough for several CPU processes on 2 cores.
 MODEL = [
-    "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-    "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.residual_mode=mhc",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.residual_mode=mhc",
     "model.hc_mult=4",
 ]
 
 
-def run_overrides(out_dir: Path, *extra: str, batch_size: int, steps: int,
-                  checkpoint_every: int) -> list[str]:
+def run_overrides(
+    out_dir: Path, *extra: str, batch_size: int, steps: int, checkpoint_every: int
+) -> list[str]:
     """The run config of a distributed test: the tiny model, 64-token sequences of the bundled
     corpus, ``batch_size`` per rank, ``steps`` optimizer steps, a checkpoint every
     ``checkpoint_every``, no validation, no logger."""
     return [
-        *MODEL, "data.seq_len=64", f"data.batch_size={batch_size}",
-        "data.synthetic.num_stories=60", "data.synthetic.num_recall=60",
-        f"train.max_steps={steps}", "train.warmup_steps=2",
-        f"train.checkpoint_every_n_steps={checkpoint_every}", "train.limit_val_batches=0",
-        f"train.val_every_n_steps={steps}", "train.progress_bar=false",
-        "train.log_every_n_steps=1", "train.accelerator=cpu", "logging.logger=none",
-        f"train.out_dir={out_dir}", *extra,
+        *MODEL,
+        "data.seq_len=64",
+        f"data.batch_size={batch_size}",
+        "data.synthetic.num_stories=60",
+        "data.synthetic.num_recall=60",
+        f"train.max_steps={steps}",
+        "train.warmup_steps=2",
+        f"train.checkpoint_every_n_steps={checkpoint_every}",
+        "train.limit_val_batches=0",
+        f"train.val_every_n_steps={steps}",
+        "train.progress_bar=false",
+        "train.log_every_n_steps=1",
+        "train.accelerator=cpu",
+        "logging.logger=none",
+        f"train.out_dir={out_dir}",
+        *extra,
     ]
 
 
@@ -50,8 +64,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_nodes(record: Path, args: list[str], logs: Path, num_nodes: int = 2,
-                 strategy: str = "deepspeed_stage_2", timeout: float = 900) -> list[int]:
+def launch_nodes(
+    record: Path,
+    args: list[str],
+    logs: Path,
+    num_nodes: int = 2,
+    strategy: str = "deepspeed_stage_2",
+    timeout: float = 900,
+) -> list[int]:
     """Start ``num_nodes`` ``fabric run`` launchers (node ranks 0..n-1, one process each) at
     once, as on ``num_nodes`` machines, and wait for all. Returns their exit codes.
 
@@ -63,14 +83,36 @@ def launch_nodes(record: Path, args: list[str], logs: Path, num_nodes: int = 2,
     procs = []
     for rank in range(num_nodes):
         with open(logs / f"node{rank}.log", "w") as log:
-            procs.append(subprocess.Popen(
-                [str(FABRIC), "run", "--accelerator", "cpu", "--devices", "1",
-                 "--num-nodes", str(num_nodes), "--node-rank", str(rank),
-                 "--main-address", "127.0.0.1", "--main-port", str(port),
-                 "--strategy", strategy, str(DRIVER), str(record), *args],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                start_new_session=True,  # its own process group: stopped as a whole below
-            ))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(FABRIC),
+                        "run",
+                        "--accelerator",
+                        "cpu",
+                        "--devices",
+                        "1",
+                        "--num-nodes",
+                        str(num_nodes),
+                        "--node-rank",
+                        str(rank),
+                        "--main-address",
+                        "127.0.0.1",
+                        "--main-port",
+                        str(port),
+                        "--strategy",
+                        strategy,
+                        str(DRIVER),
+                        str(record),
+                        *args,
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=ROOT,
+                    start_new_session=True,  # its own process group: stopped as a whole below
+                )
+            )
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
         failed = any(p.returncode not in (None, 0) for p in procs)
@@ -84,15 +126,33 @@ def launch_nodes(record: Path, args: list[str], logs: Path, num_nodes: int = 2,
     return [p.returncode for p in procs]
 
 
-def fabric_run(devices: int, record: Path, args: list[str],
-               strategy: str = "deepspeed_stage_2") -> subprocess.CompletedProcess:
+def fabric_run(
+    devices: int, record: Path, args: list[str], strategy: str = "deepspeed_stage_2"
+) -> subprocess.CompletedProcess:
     """One node, ``devices`` processes (rendezvous on a free port: not the default 29400, which
     another run on this machine may hold)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [str(FABRIC), "run", "--accelerator", "cpu", "--devices", str(devices), "--strategy",
-         strategy, "--main-port", str(free_port()), str(DRIVER), str(record), *args],
-        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
+        [
+            str(FABRIC),
+            "run",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            str(devices),
+            "--strategy",
+            strategy,
+            "--main-port",
+            str(free_port()),
+            str(DRIVER),
+            str(record),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=ROOT,
     )
 
 

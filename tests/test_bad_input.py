@@ -39,8 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_config() -> ModelConfig:
-    return ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1)
+    return ModelConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,61 +72,109 @@ def files(tmp_path_factory) -> dict[str, str]:
 # ----------------------------------------------------------------------------- the CLI
 # argv (with {ckpt}, {empty}, {dir} filled in) -> a fragment of the one-line error.
 CLI_CASES = {
-    "fit lr negative": (["fit", "train.lr=-1"],
-                        "TrainConfig.lr=-1 is out of range; allowed (0, 10]"),
-    "fit rope_theta inf (yaml)": (["fit", "--config", "{inf_yaml}"],
-                                  "ModelConfig.rope_theta=inf is out of range; allowed (0, inf)"),
+    "fit lr negative": (
+        ["fit", "train.lr=-1"],
+        "TrainConfig.lr=-1 is out of range; allowed (0, 10]",
+    ),
+    "fit rope_theta inf (yaml)": (
+        ["fit", "--config", "{inf_yaml}"],
+        "ModelConfig.rope_theta=inf is out of range; allowed (0, inf)",
+    ),
     "fit hc_mult without mhc": (
         ["fit", "model.hc_mult=8"],
-        "ModelConfig.hc_mult=8 has no effect with residual_mode='residual'"),
-    "fit unicache rate": (["fit", "compress.unicache.target_rate=1.5"],
-                          "UniCacheConfig.target_rate=1.5 is out of range; allowed [0.0, 0.95]"),
-    "fit unknown xkv field": (["fit", "compress.xkv.ratio=4"],
-                              "unknown field(s) ['ratio'] in compress.xkv; known: ["),
-    "fit xkv rank_mode": (["fit", "compress.xkv.rank_mode=ratio"],
-                          "XKVConfig.rank_mode='ratio' is not allowed; choose one of"),
+        "ModelConfig.hc_mult=8 has no effect with residual_mode='residual'",
+    ),
+    "fit unicache rate": (
+        ["fit", "compress.unicache.target_rate=1.5"],
+        "UniCacheConfig.target_rate=1.5 is out of range; allowed [0.0, 0.95]",
+    ),
+    "fit unknown xkv field": (
+        ["fit", "compress.xkv.ratio=4"],
+        "unknown field(s) ['ratio'] in compress.xkv; known: [",
+    ),
+    "fit xkv rank_mode": (
+        ["fit", "compress.xkv.rank_mode=ratio"],
+        "XKVConfig.rank_mode='ratio' is not allowed; choose one of",
+    ),
     "fit unicache rate e-notation": (
         ["fit", "compress.unicache.target_rate=2e0"],
-        "UniCacheConfig.target_rate=2.0 is out of range"),
+        "UniCacheConfig.target_rate=2.0 is out of range",
+    ),
     "fit empty data file": (
-        ["fit", "data.source={empty}", "logging.logger=none", "train.accelerator=cpu",
-         "train.progress_bar=false", "train.out_dir={dir}/fit"],
-        "DataConfig.source: '{empty}' has no records (the file is empty)"),
+        [
+            "fit",
+            "data.source={empty}",
+            "logging.logger=none",
+            "train.accelerator=cpu",
+            "train.progress_bar=false",
+            "train.out_dir={dir}/fit",
+        ],
+        "DataConfig.source: '{empty}' has no records (the file is empty)",
+    ),
     "evaluate rates out of range": (
         ["evaluate", "--checkpoint", "{ckpt}", "sweep.rates=[1.5]"],
-        "CompressionEvalConfig.rates: 1.5 is out of range; allowed [0, 0.95]"),
+        "CompressionEvalConfig.rates: 1.5 is out of range; allowed [0, 0.95]",
+    ),
     "evaluate unknown sweep field": (
         ["evaluate", "--checkpoint", "{ckpt}", "sweep.xkv_ratios=[4]"],
-        "unknown field(s) ['xkv_ratios'] in sweep"),
+        "unknown field(s) ['xkv_ratios'] in sweep",
+    ),
     "evaluate no checkpoint": (["evaluate"], "evaluate: --checkpoint is required"),
     "unknown command": (["bogus"], "unknown command 'bogus'; choose one of"),
     "evaluate empty data file": (
         ["evaluate", "--checkpoint", "{ckpt}", "data.source={empty}"],
-        "DataConfig.source: '{empty}' has no records (the file is empty)"),
-    "evaluate missing checkpoint": (["evaluate", "--checkpoint", "{dir}/missing.ckpt"],
-                                    "missing.ckpt"),
-    "evaluate logger": (["evaluate", "--checkpoint", "{ckpt}", "--logger", "mlflow"],
-                        "evaluate --logger='mlflow' is not allowed; choose one of"),
-    "evaluate limit_batches": (["evaluate", "--checkpoint", "{ckpt}", "--limit_batches", "0"],
-                               "evaluate --limit_batches=0 is out of range; allowed an integer"),
+        "DataConfig.source: '{empty}' has no records (the file is empty)",
+    ),
+    "evaluate missing checkpoint": (
+        ["evaluate", "--checkpoint", "{dir}/missing.ckpt"],
+        "missing.ckpt",
+    ),
+    "evaluate logger": (
+        ["evaluate", "--checkpoint", "{ckpt}", "--logger", "mlflow"],
+        "evaluate --logger='mlflow' is not allowed; choose one of",
+    ),
+    "evaluate limit_batches": (
+        ["evaluate", "--checkpoint", "{ckpt}", "--limit_batches", "0"],
+        "evaluate --limit_batches=0 is out of range; allowed an integer",
+    ),
     "generate top_k 0": (
-        ["generate", "--checkpoint", "{ckpt}", "--prompt", "hi", "--top_k", "0",
-         "--temperature", "1"],
-        "generate --top_k=0 is out of range; allowed an integer in [1, inf)"),
-    "generate top_k 0 greedy": (["generate", "--checkpoint", "{ckpt}", "--prompt", "hi",
-                                 "--top_k", "0"], "generate --top_k=0 is out of range"),
+        [
+            "generate",
+            "--checkpoint",
+            "{ckpt}",
+            "--prompt",
+            "hi",
+            "--top_k",
+            "0",
+            "--temperature",
+            "1",
+        ],
+        "generate --top_k=0 is out of range; allowed an integer in [1, inf)",
+    ),
+    "generate top_k 0 greedy": (
+        ["generate", "--checkpoint", "{ckpt}", "--prompt", "hi", "--top_k", "0"],
+        "generate --top_k=0 is out of range",
+    ),
     "generate max_new_tokens": (
         ["generate", "--checkpoint", "{ckpt}", "--prompt", "hi", "--max_new_tokens", "-3"],
-        "generate --max_new_tokens=-3 is out of range; allowed an integer in [0, inf)"),
+        "generate --max_new_tokens=-3 is out of range; allowed an integer in [0, inf)",
+    ),
     "generate temperature": (
         ["generate", "--checkpoint", "{ckpt}", "--prompt", "hi", "--temperature", "-1"],
-        "generate --temperature=-1.0 is out of range; allowed [0, inf) (0 = greedy)"),
-    "export format": (["export", "--checkpoint", "{ckpt}", "--out", "{dir}/x", "--format", "onnx"],
-                      "format='onnx': choose one of ['hf', 'deepseek_v3']"),
-    "export family": (["export", "--checkpoint", "{ckpt}", "--out", "{dir}/x", "--family", "gpt2"],
-                      "family='gpt2': choose one of"),
-    "export dtype": (["export", "--checkpoint", "{ckpt}", "--out", "{dir}/x", "--dtype", "fp8"],
-                     "dtype='fp8': choose one of"),
+        "generate --temperature=-1.0 is out of range; allowed [0, inf) (0 = greedy)",
+    ),
+    "export format": (
+        ["export", "--checkpoint", "{ckpt}", "--out", "{dir}/x", "--format", "onnx"],
+        "format='onnx': choose one of ['hf', 'deepseek_v3']",
+    ),
+    "export family": (
+        ["export", "--checkpoint", "{ckpt}", "--out", "{dir}/x", "--family", "gpt2"],
+        "family='gpt2': choose one of",
+    ),
+    "export dtype": (
+        ["export", "--checkpoint", "{ckpt}", "--out", "{dir}/x", "--dtype", "fp8"],
+        "dtype='fp8': choose one of",
+    ),
 }
 
 
@@ -140,14 +193,22 @@ def test_cli_bad_input_is_one_line_error_exit_2(case, files, capsys) -> None:
     assert not any("Traceback" in line for line in err)
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["fit", "train.lr=abc"], "TrainConfig.lr='abc': expected a number in (0, 10], got str"),
-    (["fit", "model.rope_theta=inf"], "ModelConfig.rope_theta='inf': expected a number"),
-    (["fit", "--no_such_flag", "1"], "unknown flag '--no_such_flag'; known: ['--config'"),
-    (["fit", "train.max_steps"], "override 'train.max_steps' must look like section.field=value"),
-    (["generate", "--checkpoint", "x", "--prompt", "hi", "--max_new_tokens", "abc"],
-     "generate --max_new_tokens='abc': expected int"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["fit", "train.lr=abc"], "TrainConfig.lr='abc': expected a number in (0, 10], got str"),
+        (["fit", "model.rope_theta=inf"], "ModelConfig.rope_theta='inf': expected a number"),
+        (["fit", "--no_such_flag", "1"], "unknown flag '--no_such_flag'; known: ['--config'"),
+        (
+            ["fit", "train.max_steps"],
+            "override 'train.max_steps' must look like section.field=value",
+        ),
+        (
+            ["generate", "--checkpoint", "x", "--prompt", "hi", "--max_new_tokens", "abc"],
+            "generate --max_new_tokens='abc': expected int",
+        ),
+    ],
+)
 def test_cli_type_errors_are_one_line_errors(argv, fragment, capsys) -> None:
     """Values of the wrong type, unknown options and malformed overrides: one line naming the
     field and the value (exit code 2, no traceback), before anything runs."""
@@ -160,9 +221,24 @@ def test_cli_type_errors_are_one_line_errors(argv, fragment, capsys) -> None:
 def test_console_script_bad_input_no_traceback(files) -> None:
     """The real entry point, in its own process: exit code 2, one line, no traceback."""
     proc = subprocess.run(
-        [sys.executable, "-m", "unicache_train.cli", "generate", "--checkpoint", files["ckpt"],
-         "--prompt", "hi", "--top_k", "0", "--temperature", "1"],
-        capture_output=True, text=True, timeout=300, cwd=files["dir"],
+        [
+            sys.executable,
+            "-m",
+            "unicache_train.cli",
+            "generate",
+            "--checkpoint",
+            files["ckpt"],
+            "--prompt",
+            "hi",
+            "--top_k",
+            "0",
+            "--temperature",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=files["dir"],
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
@@ -176,10 +252,28 @@ def test_generate_prints_text(files) -> None:
     """``unicache-train generate`` on a tiny checkpoint prints the prompt and its continuation
     (the real entry point, in its own process)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "unicache_train.cli", "generate", "--checkpoint", files["ckpt"],
-         "--prompt", "The cat", "--max_new_tokens", "6", "--temperature", "0.8", "--top_k", "5",
-         "--seed", "3"],
-        capture_output=True, text=True, timeout=300, cwd=files["dir"],
+        [
+            sys.executable,
+            "-m",
+            "unicache_train.cli",
+            "generate",
+            "--checkpoint",
+            files["ckpt"],
+            "--prompt",
+            "The cat",
+            "--max_new_tokens",
+            "6",
+            "--temperature",
+            "0.8",
+            "--top_k",
+            "5",
+            "--seed",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=files["dir"],
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.rstrip("\n")
@@ -192,10 +286,21 @@ def test_generate_prints_text(files) -> None:
 
 
 # ----------------------------------------------------------------------------- numbers
-@pytest.mark.parametrize("raw, value", [
-    ("1e-4", 1e-4), ("1E-4", 1e-4), ("1e4", 1e4), ("+1e3", 1e3), (".5", 0.5), ("-.5", -0.5),
-    ("1_000", 1000), ("1.0e-4", 1e-4), ("3", 3), ("0.3", 0.3),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw, value",
+    [
+        ("1e-4", 1e-4),
+        ("1E-4", 1e-4),
+        ("1e4", 1e4),
+        ("+1e3", 1e3),
+        (".5", 0.5),
+        ("-.5", -0.5),
+        ("1_000", 1000),
+        ("1.0e-4", 1e-4),
+        ("3", 3),
+        ("0.3", 0.3),
+    ],
+)
 def test_every_usual_number_notation_is_a_number(raw: str, value: float) -> None:
     got = load_yaml(raw)
     assert not isinstance(got, str) and got == value
@@ -220,51 +325,126 @@ def recipe(name: str):
 
 
 RECIPE_CASES = {
-    "finetune_compress lr": ("finetune_compress", "parse_args", ["train.lr=-1"],
-                             "TrainConfig.lr=-1 is out of range; allowed (0, 10]"),
-    "finetune_compress lr string": ("finetune_compress", "parse_args", ["train.lr=abc"],
-                                    "TrainConfig.lr='abc': expected a number in (0, 10], got str"),
+    "finetune_compress lr": (
+        "finetune_compress",
+        "parse_args",
+        ["train.lr=-1"],
+        "TrainConfig.lr=-1 is out of range; allowed (0, 10]",
+    ),
+    "finetune_compress lr string": (
+        "finetune_compress",
+        "parse_args",
+        ["train.lr=abc"],
+        "TrainConfig.lr='abc': expected a number in (0, 10], got str",
+    ),
     "finetune_compress recipe option": (
-        "finetune_compress", "parse_args", ["recipe.num_recall=-5"],
-        "FinetuneOptions.num_recall=-5 is out of range; allowed [0, inf)"),
-    "finetune_compress unknown option": ("finetune_compress", "parse_args", ["recipe.nope=1"],
-                                         "unknown field(s) ['nope'] in recipe"),
-    "finetune_compress unknown section": ("finetune_compress", "parse_args", ["recipes.x=1"],
-                                          "unknown section(s) ['recipes']"),
-    "finetune_compress unknown flag": ("finetune_compress", "parse_args", ["--checkpont", "x"],
-                                       "unknown flag '--checkpont'"),
-    "finetune_compress no value": ("finetune_compress", "parse_args", ["train.lr"],
-                                   "override 'train.lr' must look like section.field=value"),
-    "finetune_compress --config": ("finetune_compress", "parse_args", ["--config"],
-                                   "--config needs a YAML path"),
-    "finetune_compress rate": ("finetune_compress", "parse_args",
-                               ["compress.unicache.target_rate=1.5"],
-                               "UniCacheConfig.target_rate=1.5 is out of range"),
-    "finetune_hf no checkpoint": ("finetune_hf", "parse", [],
-                                  "hf.checkpoint_dir is not set: pass --checkpoint_dir DIR"),
-    "finetune_hf unknown": ("finetune_hf", "parse", ["hf.checkpoint_dir=x", "hf.nope=1"],
-                            "unknown field(s) ['nope'] in hf"),
+        "finetune_compress",
+        "parse_args",
+        ["recipe.num_recall=-5"],
+        "FinetuneOptions.num_recall=-5 is out of range; allowed [0, inf)",
+    ),
+    "finetune_compress unknown option": (
+        "finetune_compress",
+        "parse_args",
+        ["recipe.nope=1"],
+        "unknown field(s) ['nope'] in recipe",
+    ),
+    "finetune_compress unknown section": (
+        "finetune_compress",
+        "parse_args",
+        ["recipes.x=1"],
+        "unknown section(s) ['recipes']",
+    ),
+    "finetune_compress unknown flag": (
+        "finetune_compress",
+        "parse_args",
+        ["--checkpont", "x"],
+        "unknown flag '--checkpont'",
+    ),
+    "finetune_compress no value": (
+        "finetune_compress",
+        "parse_args",
+        ["train.lr"],
+        "override 'train.lr' must look like section.field=value",
+    ),
+    "finetune_compress --config": (
+        "finetune_compress",
+        "parse_args",
+        ["--config"],
+        "--config needs a YAML path",
+    ),
+    "finetune_compress rate": (
+        "finetune_compress",
+        "parse_args",
+        ["compress.unicache.target_rate=1.5"],
+        "UniCacheConfig.target_rate=1.5 is out of range",
+    ),
+    "finetune_hf no checkpoint": (
+        "finetune_hf",
+        "parse",
+        [],
+        "hf.checkpoint_dir is not set: pass --checkpoint_dir DIR",
+    ),
+    "finetune_hf unknown": (
+        "finetune_hf",
+        "parse",
+        ["hf.checkpoint_dir=x", "hf.nope=1"],
+        "unknown field(s) ['nope'] in hf",
+    ),
     "finetune_xkv reductions": (
-        "finetune_xkv", "parse_args", ["recipe.eval_reductions=[0.5]"],
-        "recipe.eval_reductions=[0.5]: expected a list of reductions in [1, 64]"),
+        "finetune_xkv",
+        "parse_args",
+        ["recipe.eval_reductions=[0.5]"],
+        "recipe.eval_reductions=[0.5]: expected a list of reductions in [1, 64]",
+    ),
     "finetune_xkv unknown recipe field": (
-        "finetune_xkv", "parse_args", ["recipe.train_ratios=[4]"],
-        "unknown field(s) ['train_ratios'] in recipe"),
+        "finetune_xkv",
+        "parse_args",
+        ["recipe.train_ratios=[4]"],
+        "unknown field(s) ['train_ratios'] in recipe",
+    ),
     "finetune_xkv unknown xkv field": (
-        "finetune_xkv", "parse_args", ["compress.xkv.ratio=8"],
-        "unknown field(s) ['ratio'] in compress.xkv"),
-    "finetune_xkv bool": ("finetune_xkv", "parse_args", ["recipe.control=maybe"],
-                          "recipe.control='maybe': expected a bool"),
-    "vlm_tiny unknown": ("vlm_tiny", "parse_args", ["recipe.nope=1"],
-                         "unknown field(s) ['nope'] in recipe"),
-    "vlm_tiny rates": ("vlm_tiny", "parse_args", ["recipe.rates=[1.5]"],
-                       "RecipeOptions.rates=[1.5]: expected a list of rates in [0, 0.95]"),
-    "vlm_tiny steps": ("vlm_tiny", "parse_args", ["recipe.vision_steps=-1"],
-                       "RecipeOptions.vision_steps=-1 is out of range; allowed [0, inf)"),
-    "convert_to_mla unknown": ("convert_to_mla", "cli", ["convert.nope=1"],
-                               "unknown field(s) ['nope'] in convert"),
-    "convert_to_mla lr": ("convert_to_mla", "cli", ["convert.heal_lr=-1e-3"],
-                          "ConvertConfig.heal_lr=-0.001 is out of range; allowed (0, 10]"),
+        "finetune_xkv",
+        "parse_args",
+        ["compress.xkv.ratio=8"],
+        "unknown field(s) ['ratio'] in compress.xkv",
+    ),
+    "finetune_xkv bool": (
+        "finetune_xkv",
+        "parse_args",
+        ["recipe.control=maybe"],
+        "recipe.control='maybe': expected a bool",
+    ),
+    "vlm_tiny unknown": (
+        "vlm_tiny",
+        "parse_args",
+        ["recipe.nope=1"],
+        "unknown field(s) ['nope'] in recipe",
+    ),
+    "vlm_tiny rates": (
+        "vlm_tiny",
+        "parse_args",
+        ["recipe.rates=[1.5]"],
+        "RecipeOptions.rates=[1.5]: expected a list of rates in [0, 0.95]",
+    ),
+    "vlm_tiny steps": (
+        "vlm_tiny",
+        "parse_args",
+        ["recipe.vision_steps=-1"],
+        "RecipeOptions.vision_steps=-1 is out of range; allowed [0, inf)",
+    ),
+    "convert_to_mla unknown": (
+        "convert_to_mla",
+        "cli",
+        ["convert.nope=1"],
+        "unknown field(s) ['nope'] in convert",
+    ),
+    "convert_to_mla lr": (
+        "convert_to_mla",
+        "cli",
+        ["convert.heal_lr=-1e-3"],
+        "ConvertConfig.heal_lr=-0.001 is out of range; allowed (0, 10]",
+    ),
 }
 
 
@@ -286,11 +466,15 @@ def test_recipe_overrides_read_e_notation() -> None:
 def test_recipe_main_reports_bad_input_in_one_line() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "pretrain_tiny.py"), "model.hc_mult=8"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "error: ModelConfig.hc_mult=8 has no effect with residual_mode='residual'"
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: ModelConfig.hc_mult=8 has no effect with residual_mode='residual'")
     )
 
 
@@ -305,105 +489,165 @@ def _model() -> Decoder:
 
 
 def _forward(split, T: int = 8):
-    return lambda: _model()(torch.zeros(2, T, dtype=torch.long), split=split,
-                            compressor=IdentityCompressor())
+    return lambda: _model()(
+        torch.zeros(2, T, dtype=torch.long), split=split, compressor=IdentityCompressor()
+    )
 
 
 API_CASES = {
     # config dataclasses
     "ModelConfig rope_theta inf": raises(
-        ConfigError, lambda: ModelConfig(rope_theta=math.inf),
-        "ModelConfig.rope_theta=inf is out of range; allowed (0, inf)"),
+        ConfigError,
+        lambda: ModelConfig(rope_theta=math.inf),
+        "ModelConfig.rope_theta=inf is out of range; allowed (0, inf)",
+    ),
     "ModelConfig rope_theta nan": raises(
-        ConfigError, lambda: ModelConfig(rope_theta=math.nan),
-        "ModelConfig.rope_theta=nan is out of range; allowed (0, inf)"),
+        ConfigError,
+        lambda: ModelConfig(rope_theta=math.nan),
+        "ModelConfig.rope_theta=nan is out of range; allowed (0, inf)",
+    ),
     "ModelConfig hc_mult without mhc": raises(
-        ConfigError, lambda: ModelConfig(hc_mult=8),
+        ConfigError,
+        lambda: ModelConfig(hc_mult=8),
         "ModelConfig.hc_mult=8 has no effect with residual_mode='residual' (a plain residual "
-        "has one stream); set residual_mode to 'mhc' or 'hc' for 8 streams, or hc_mult to 1"),
+        "has one stream); set residual_mode to 'mhc' or 'hc' for 8 streams, or hc_mult to 1",
+    ),
     "ModelConfig vocab float": raises(
-        ConfigError, lambda: ModelConfig(vocab_size=2.5),
-        "ModelConfig.vocab_size=2.5: expected an integer in [2, inf)"),
+        ConfigError,
+        lambda: ModelConfig(vocab_size=2.5),
+        "ModelConfig.vocab_size=2.5: expected an integer in [2, inf)",
+    ),
     "TrainConfig lr string": raises(
-        ConfigError, lambda: TrainConfig(lr="1e-4"),
-        "TrainConfig.lr='1e-4': expected a number in (0, 10], got str"),
+        ConfigError,
+        lambda: TrainConfig(lr="1e-4"),
+        "TrainConfig.lr='1e-4': expected a number in (0, 10], got str",
+    ),
     "TrainConfig grad_clip inf": raises(
-        ConfigError, lambda: TrainConfig(grad_clip=math.inf),
-        "TrainConfig.grad_clip=inf is out of range; allowed [0, inf)"),
-    "DataConfig seq_len": raises(ConfigError, lambda: DataConfig(seq_len=1),
-                                 "DataConfig.seq_len=1 is out of range; allowed [2, 1048576]"),
+        ConfigError,
+        lambda: TrainConfig(grad_clip=math.inf),
+        "TrainConfig.grad_clip=inf is out of range; allowed [0, inf)",
+    ),
+    "DataConfig seq_len": raises(
+        ConfigError,
+        lambda: DataConfig(seq_len=1),
+        "DataConfig.seq_len=1 is out of range; allowed [2, 1048576]",
+    ),
     "MonitorConfig threshold": raises(
-        ConfigError, lambda: MonitorConfig(gain_threshold=1.0),
-        "MonitorConfig.gain_threshold=1.0 is out of range; allowed (1, inf)"),
+        ConfigError,
+        lambda: MonitorConfig(gain_threshold=1.0),
+        "MonitorConfig.gain_threshold=1.0 is out of range; allowed (1, inf)",
+    ),
     "CompressionTrainConfig kl": raises(
-        ConfigError, lambda: CompressionTrainConfig(kl_weight=-1.0),
-        "CompressionTrainConfig.kl_weight=-1.0 is out of range; allowed [0, 1000]"),
+        ConfigError,
+        lambda: CompressionTrainConfig(kl_weight=-1.0),
+        "CompressionTrainConfig.kl_weight=-1.0 is out of range; allowed [0, 1000]",
+    ),
     "CompressionEvalConfig rates": raises(
-        ConfigError, lambda: CompressionEvalConfig(rates=[1.5]),
-        "CompressionEvalConfig.rates: 1.5 is out of range; allowed [0, 0.95]"),
+        ConfigError,
+        lambda: CompressionEvalConfig(rates=[1.5]),
+        "CompressionEvalConfig.rates: 1.5 is out of range; allowed [0, 0.95]",
+    ),
     "RunConfig unknown field": raises(
-        ConfigError, lambda: RunConfig.from_dict({"model": {"hiden_size": 3}}),
-        "unknown field(s) ['hiden_size'] in model"),
+        ConfigError,
+        lambda: RunConfig.from_dict({"model": {"hiden_size": 3}}),
+        "unknown field(s) ['hiden_size'] in model",
+    ),
     # compressor configs
     "ComposedCompressor target_rate": raises(
-        ValueError, lambda: ComposedCompressor([], target_rate=1.5),
-        "ComposedCompressor.target_rate=1.5 is out of range; allowed [0.0, 0.95]"),
+        ValueError,
+        lambda: ComposedCompressor([], target_rate=1.5),
+        "ComposedCompressor.target_rate=1.5 is out of range; allowed [0.0, 0.95]",
+    ),
     "ComposedCompressor rate_scale": raises(
-        ValueError, lambda: ComposedCompressor([], rate_scale=-0.1),
-        "ComposedCompressor.rate_scale=-0.1 is out of range; allowed [0.0, 1.0]"),
+        ValueError,
+        lambda: ComposedCompressor([], rate_scale=-0.1),
+        "ComposedCompressor.rate_scale=-0.1 is out of range; allowed [0.0, 1.0]",
+    ),
     "ComposedCompressor window": raises(
-        ValueError, lambda: ComposedCompressor([], window=0),
-        "ComposedCompressor.window=0 is out of range; allowed an integer in [1, inf)"),
+        ValueError,
+        lambda: ComposedCompressor([], window=0),
+        "ComposedCompressor.window=0 is out of range; allowed an integer in [1, inf)",
+    ),
     "ComposedCompressor similarity": raises(
-        ValueError, lambda: ComposedCompressor([], similarity="values"),
-        "ComposedCompressor.similarity='values' is not allowed; choose one of ['keys', 'kv']"),
+        ValueError,
+        lambda: ComposedCompressor([], similarity="values"),
+        "ComposedCompressor.similarity='values' is not allowed; choose one of ['keys', 'kv']",
+    ),
     "UniCacheConfig target_rate": raises(
-        ConfigError, lambda: UniCacheConfig.from_dict({"target_rate": 1.5}),
-        "UniCacheConfig.target_rate=1.5 is out of range; allowed [0.0, 0.95]"),
+        ConfigError,
+        lambda: UniCacheConfig.from_dict({"target_rate": 1.5}),
+        "UniCacheConfig.target_rate=1.5 is out of range; allowed [0.0, 0.95]",
+    ),
     "XKVConfig reduction": raises(
-        ConfigError, lambda: XKVConfig(rank_mode="reduction", reduction=0.5),
-        "XKVConfig.reduction=0.5 is out of range; allowed [1.0, 64.0]"),
+        ConfigError,
+        lambda: XKVConfig(rank_mode="reduction", reduction=0.5),
+        "XKVConfig.reduction=0.5 is out of range; allowed [1.0, 64.0]",
+    ),
     "XKVConfig unknown field": raises(
-        ConfigError, lambda: XKVConfig.from_dict({"ratio": 4.0}),
-        "unknown field(s) ['ratio'] in XKVConfig; known: ["),
+        ConfigError,
+        lambda: XKVConfig.from_dict({"ratio": 4.0}),
+        "unknown field(s) ['ratio'] in XKVConfig; known: [",
+    ),
     "RunConfig unknown xkv field": raises(
-        ConfigError, lambda: RunConfig.from_dict({"compress": {"xkv": {"ratio": 4.0}}}),
-        "unknown field(s) ['ratio'] in compress.xkv; known: ["),
+        ConfigError,
+        lambda: RunConfig.from_dict({"compress": {"xkv": {"ratio": 4.0}}}),
+        "unknown field(s) ['ratio'] in compress.xkv; known: [",
+    ),
     "CompressionTrainConfig mapping": raises(
-        ConfigError, lambda: CompressionTrainConfig(unicache={"target_rate": 0.5}),
+        ConfigError,
+        lambda: CompressionTrainConfig(unicache={"target_rate": 0.5}),
         "CompressionTrainConfig.unicache={'target_rate': 0.5}: expected a UniCacheConfig (a "
-        "mapping of overrides goes through CompressionTrainConfig.from_dict)"),
+        "mapping of overrides goes through CompressionTrainConfig.from_dict)",
+    ),
     "UniCacheCompressor curriculum_steps": raises(
-        ValueError, lambda: UniCacheCompressor(curriculum_steps=-1),
-        "ComposedCompressor.curriculum_steps=-1 is out of range; allowed an integer in [0, inf)"),
+        ValueError,
+        lambda: UniCacheCompressor(curriculum_steps=-1),
+        "ComposedCompressor.curriculum_steps=-1 is out of range; allowed an integer in [0, inf)",
+    ),
     # the model forward and generation
-    "split negative": raises(ValueError, _forward(torch.tensor([-5, 3])),
-                             "split=[-5, 3] is out of range; allowed [0, T] = [0, 8] per sample"),
-    "split past the end": raises(ValueError, _forward(torch.tensor([3, 9])),
-                                 "split=[3, 9] is out of range; allowed [0, T] = [0, 8]"),
+    "split negative": raises(
+        ValueError,
+        _forward(torch.tensor([-5, 3])),
+        "split=[-5, 3] is out of range; allowed [0, T] = [0, 8] per sample",
+    ),
+    "split past the end": raises(
+        ValueError,
+        _forward(torch.tensor([3, 9])),
+        "split=[3, 9] is out of range; allowed [0, T] = [0, 8]",
+    ),
     "split float tensor": raises(
-        ValueError, _forward(torch.tensor([2.5, 3.0])),
-        "split has dtype torch.float32: expected an integer tensor of shape [B] = [2]"),
+        ValueError,
+        _forward(torch.tensor([2.5, 3.0])),
+        "split has dtype torch.float32: expected an integer tensor of shape [B] = [2]",
+    ),
     "split python float": raises(
-        ValueError, _forward(3.5),
-        "split=3.5: expected an integer tensor of shape [B] = [2], got float"),
-    "split shape": raises(ValueError, _forward(torch.tensor([1, 2, 3])),
-                          "split has shape (3,): expected [B] = [2]"),
+        ValueError,
+        _forward(3.5),
+        "split=3.5: expected an integer tensor of shape [B] = [2], got float",
+    ),
+    "split shape": raises(
+        ValueError, _forward(torch.tensor([1, 2, 3])), "split has shape (3,): expected [B] = [2]"
+    ),
     "split without compressor": raises(
-        ValueError, lambda: _model()(torch.zeros(2, 8, dtype=torch.long),
-                                     split=torch.tensor([3, 3])),
-        "split and compressor go together: pass both or neither"),
+        ValueError,
+        lambda: _model()(torch.zeros(2, 8, dtype=torch.long), split=torch.tensor([3, 3])),
+        "split and compressor go together: pass both or neither",
+    ),
     "generate top_k": raises(
-        ValueError, lambda: _model().generate(torch.zeros(1, 3, dtype=torch.long), 2,
-                                              temperature=1.0, top_k=0),
-        "top_k=0 is out of range; allowed None or an integer in [1, inf)"),
+        ValueError,
+        lambda: _model().generate(torch.zeros(1, 3, dtype=torch.long), 2, temperature=1.0, top_k=0),
+        "top_k=0 is out of range; allowed None or an integer in [1, inf)",
+    ),
     "generate max_new_tokens": raises(
-        ValueError, lambda: _model().generate(torch.zeros(1, 3, dtype=torch.long), -3),
-        "max_new_tokens=-3 is out of range; allowed an integer in [0, inf)"),
+        ValueError,
+        lambda: _model().generate(torch.zeros(1, 3, dtype=torch.long), -3),
+        "max_new_tokens=-3 is out of range; allowed an integer in [0, inf)",
+    ),
     "generate temperature": raises(
-        ValueError, lambda: _model().generate(torch.zeros(1, 3, dtype=torch.long), 2,
-                                              temperature=math.inf),
-        "temperature=inf is out of range; allowed [0, inf)"),
+        ValueError,
+        lambda: _model().generate(torch.zeros(1, 3, dtype=torch.long), 2, temperature=math.inf),
+        "temperature=inf is out of range; allowed [0, inf)",
+    ),
 }
 
 

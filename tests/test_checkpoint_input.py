@@ -20,13 +20,31 @@ from unicache_train.model import Decoder
 from unicache_train.model.config import ModelConfig
 
 V = 97
-GQA = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-           tie_word_embeddings=False)
-MLA = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=4, attention_type="mla", q_lora_rank=12,
-           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
-           max_position_embeddings=64)
+GQA = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+MLA = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    attention_type="mla",
+    q_lora_rank=12,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    max_position_embeddings=64,
+)
 
 
 def _rewrite(path, fn):
@@ -70,9 +88,13 @@ def test_import_hf_refuses_non_float_weight_naming_dtype(llama_dir, dtype):
     name = "model.layers.0.self_attn.q_proj.weight"
     _rewrite(llama_dir, lambda sd: {**sd, name: (sd[name] * 100).to(dtype)})
     short = str(dtype).removeprefix("torch.")
-    with pytest.raises(HFCheckpointError,
-                       match=re.escape(f"tensor {name!r} has dtype {short}; allowed dtypes: "
-                                       "['float32', 'bfloat16', 'float16', 'float64']")):
+    with pytest.raises(
+        HFCheckpointError,
+        match=re.escape(
+            f"tensor {name!r} has dtype {short}; allowed dtypes: "
+            "['float32', 'bfloat16', 'float16', 'float64']"
+        ),
+    ):
         import_hf(llama_dir)
 
 
@@ -88,8 +110,13 @@ def test_import_hf_still_accepts_half_precision(llama_dir):
 # ---------------------------------------------------------------------- merge_kv_heads, qk_norm
 def _qk_norm_model(seed=0):
     torch.manual_seed(seed)
-    model = Decoder(ModelConfig(**{**GQA, "num_attention_heads": 8, "num_key_value_heads": 4},
-                                qk_norm=True, attention_bias=True)).eval()
+    model = Decoder(
+        ModelConfig(
+            **{**GQA, "num_attention_heads": 8, "num_key_value_heads": 4},
+            qk_norm=True,
+            attention_bias=True,
+        )
+    ).eval()
     with torch.no_grad():  # non-trivial norm gains: a skipped or mis-merged norm shows
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -99,8 +126,9 @@ def _qk_norm_model(seed=0):
 
 def test_merge_kv_heads_refuses_distinct_heads_under_qk_norm():
     model = _qk_norm_model()
-    with pytest.raises(HFCheckpointError,
-                       match=r"layer 0 group \[0, 2\] has K projections that differ .*qk_norm"):
+    with pytest.raises(
+        HFCheckpointError, match=r"layer 0 group \[0, 2\] has K projections that differ .*qk_norm"
+    ):
         merge_kv_heads(model, [[[0, 2], [1, 3]], [[0, 1], [2, 3]]])
 
 
@@ -163,27 +191,36 @@ def test_import_deepseek_v3_truncated_file_names_it(deepseek_dir):
     f = deepseek_dir / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 100])
-    with pytest.raises(DeepseekV3ExportError,
-                       match=re.escape(f"{f}: cannot read the safetensors file") + ".*corrupted "
-                       "or truncated"):
+    with pytest.raises(
+        DeepseekV3ExportError,
+        match=re.escape(f"{f}: cannot read the safetensors file") + ".*corrupted or truncated",
+    ):
         import_deepseek_v3(deepseek_dir)
 
 
 def test_import_deepseek_v3_mis_shaped_q_b_proj_names_it(deepseek_dir):
     name = "model.layers.1.self_attn.q_b_proj.weight"
     _rewrite(deepseek_dir, lambda sd: {**sd, name: sd[name][:-3]})
-    with pytest.raises(DeepseekV3ExportError,
-                       match=re.escape(f"tensor {name!r} has shape [61, 12]; config.json "
-                                       "implies [64, 12]")):
+    with pytest.raises(
+        DeepseekV3ExportError,
+        match=re.escape(f"tensor {name!r} has shape [61, 12]; config.json implies [64, 12]"),
+    ):
         import_deepseek_v3(deepseek_dir)
 
 
 def test_import_deepseek_v3_missing_and_unexpected_are_named(deepseek_dir):
     gone = "model.layers.0.mlp.up_proj.weight"
-    _rewrite(deepseek_dir, lambda sd: {**{k: v for k, v in sd.items() if k != gone},
-                                       "model.extra.weight": torch.zeros(2)})
-    with pytest.raises(DeepseekV3ExportError,
-                       match=re.escape(f"missing [{gone!r}], unexpected ['model.extra.weight']")):
+    _rewrite(
+        deepseek_dir,
+        lambda sd: {
+            **{k: v for k, v in sd.items() if k != gone},
+            "model.extra.weight": torch.zeros(2),
+        },
+    )
+    with pytest.raises(
+        DeepseekV3ExportError,
+        match=re.escape(f"missing [{gone!r}], unexpected ['model.extra.weight']"),
+    ):
         import_deepseek_v3(deepseek_dir)
 
 

@@ -93,8 +93,10 @@ METHODS = {
         {"selection": {"method": "retention", "prior": "snapkv"}}
     ),
     "retention_st_topk_train": lambda: UniCacheConfig.from_dict(
-        {**presets.retention().to_dict(), "selection": {"method": "retention",
-                                                       "relaxation": "st_topk"}}
+        {
+            **presets.retention().to_dict(),
+            "selection": {"method": "retention", "relaxation": "st_topk"},
+        }
     ),
 }
 
@@ -180,9 +182,19 @@ def test_matrix_direct(method: str, wrapper: str) -> None:
 
 @pytest.mark.parametrize(
     "method",
-    ["full_int8", "full_fp", "baseline", "protect", "fallback", "long_video", "sinks_recent_int4",
-     "snapkv_int8", "retention_eval_int4", "retention_st_topk_train"],
-)  # fmt: skip
+    [
+        "full_int8",
+        "full_fp",
+        "baseline",
+        "protect",
+        "fallback",
+        "long_video",
+        "sinks_recent_int4",
+        "snapkv_int8",
+        "retention_eval_int4",
+        "retention_st_topk_train",
+    ],
+)
 def test_matrix_seam(method: str) -> None:
     """The same invariants on the inputs the decoder's attention seam really produces."""
     torch.manual_seed(0)
@@ -192,8 +204,15 @@ def test_matrix_seam(method: str) -> None:
     mod = torch.zeros(B, T, dtype=torch.long)
     mod[:, 4:28], mod[:, 28:36] = 1, 2
     split = torch.tensor([17, 33, 47])
-    rec = Recorder(_compressor(method, METHODS[method](), H=model.config.num_key_value_heads,
-                               D=model.config.head_size, layers=3))  # fmt: skip
+    rec = Recorder(
+        _compressor(
+            method,
+            METHODS[method](),
+            H=model.config.num_key_value_heads,
+            D=model.config.head_size,
+            layers=3,
+        )
+    )
     out = model(ids, modality_ids=mod, split=split, compressor=rec)
     assert len(rec.calls) == 3 and len(out.compression_stats) == 3
     for inp, seg, state in rec.calls:

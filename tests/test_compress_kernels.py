@@ -81,8 +81,10 @@ def _run(cfg: UniCacheConfig, inp, reference: bool) -> tuple[dict, tuple[torch.T
     g = torch.Generator().manual_seed(7)
     wk, wv = torch.randn(seg.keys.shape, generator=g), torch.randn(seg.values.shape, generator=g)
     ((seg.keys * wk).sum() + (seg.values * wv).sum()).backward()
-    fields = {f: getattr(seg, f) for f in ("keys", "values", "positions", "modality_ids",
-                                            "counts", "valid", "assignment")}  # fmt: skip
+    fields = {
+        f: getattr(seg, f)
+        for f in ("keys", "values", "positions", "modality_ids", "counts", "valid", "assignment")
+    }
     fields.update({f"stat/{n}": s for n, s in seg.stats.items()})
     return fields, (k.grad, v.grad)
 
@@ -119,9 +121,14 @@ def test_merge_gather_equals_merge_then_gather() -> None:
     target = torch.where(t % 4 == 3, -1, target)  # and one evicted
     target = torch.where(ctx, target, -1)
     kept = ctx & (target == t)
-    plan = TokenPlan(kept=kept, merged=ctx & (target >= 0) & ~kept, evicted=ctx & (target < 0),
-                     target=target, requested=torch.zeros(B, 3, dtype=torch.long),
-                     shortfall=torch.zeros(B, 3, dtype=torch.long))  # fmt: skip
+    plan = TokenPlan(
+        kept=kept,
+        merged=ctx & (target >= 0) & ~kept,
+        evicted=ctx & (target < 0),
+        target=target,
+        requested=torch.zeros(B, 3, dtype=torch.long),
+        shortfall=torch.zeros(B, 3, dtype=torch.long),
+    )
     scores = torch.randn(B, T, generator=g)
     pos, mod = t + 3, torch.zeros(B, T, dtype=torch.long)
     for rule in ("k", "kv", "none"):
@@ -145,8 +152,7 @@ def test_gram_basis_spans_the_svd_subspace(shape: tuple[int, int, int]) -> None:
     g = torch.Generator().manual_seed(0)
     B, M, W = shape
     scale = torch.logspace(0, -2, min(M, W))
-    x = (torch.randn(B, M, min(M, W), generator=g) * scale) @ torch.randn(min(M, W), W,
-                                                                          generator=g)  # fmt: skip
+    x = (torch.randn(B, M, min(M, W), generator=g) * scale) @ torch.randn(min(M, W), W, generator=g)
     valid = torch.ones(B, M, dtype=torch.bool)
     valid[1, M // 2 :] = False  # a ragged sample: zero rows
     ref, s_ref = svd_basis(x, valid, "svd")
@@ -212,12 +218,24 @@ def test_every_factorization_fits_the_same_ranks_in_the_model(mla: bool) -> None
     from unicache_train.model import Decoder
     from unicache_train.model.config import ModelConfig
 
-    mla_kw = dict(attention_type="mla", kv_lora_rank=24, q_lora_rank=None, qk_nope_head_dim=16,
-                  qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
+    mla_kw = dict(
+        attention_type="mla",
+        kv_lora_rank=24,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2,
-                      **(mla_kw if mla else {}))  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **(mla_kw if mla else {}),
+    )
     model = Decoder(cfg).eval()
     ids = torch.randint(0, 97, (3, 48), generator=torch.Generator().manual_seed(1))
     split = torch.tensor([40, 25, 33])

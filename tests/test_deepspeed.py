@@ -59,6 +59,7 @@ LOSS_ATOL = 1e-4
 RESUME_ATOL = 1e-6
 LOGITS_ATOL = 1e-4
 
+
 def overrides(out_dir: Path, *extra: str, batch_size: int = 4) -> list[str]:
     return run_overrides(out_dir, *extra, batch_size=batch_size, steps=STEPS, checkpoint_every=4)
 
@@ -67,9 +68,24 @@ def fabric_run(strategy: str, record: Path, args: list[str]) -> subprocess.Compl
     fabric = Path(sys.executable).with_name("fabric")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [str(fabric), "run", "--accelerator", "cpu", "--devices", "2", "--strategy", strategy,
-         str(DRIVER), str(record), *args],
-        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
+        [
+            str(fabric),
+            "run",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "2",
+            "--strategy",
+            strategy,
+            str(DRIVER),
+            str(record),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=ROOT,
     )
 
 
@@ -119,8 +135,12 @@ def probe_logits(model: Decoder) -> torch.Tensor:
 # ----------------------------------------------------------------------------- selection (fast)
 def test_build_strategy_maps_names(tmp_path):
     cfg = RunConfig.from_dict(apply_overrides({}, overrides(tmp_path)))
-    for name, stage in [("deepspeed", 2), ("deepspeed_stage_2", 2), ("deepspeed_stage_3", 3),
-                        ("deepspeed_stage_1", 1)]:
+    for name, stage in [
+        ("deepspeed", 2),
+        ("deepspeed_stage_2", 2),
+        ("deepspeed_stage_3", 3),
+        ("deepspeed_stage_1", 1),
+    ]:
         cfg.train.strategy = name
         strategy = build_strategy(cfg)
         assert isinstance(strategy, CPUDeepSpeedStrategy)
@@ -140,10 +160,17 @@ def test_build_strategy_maps_names(tmp_path):
 
 def test_deepspeed_config_user_json_overrides_defaults(tmp_path):
     user = tmp_path / "ds.json"
-    user.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1234},
-                                "steps_per_print": 7}))
-    cfg = RunConfig.from_dict(apply_overrides({}, overrides(
-        tmp_path, "train.strategy=deepspeed_stage_3", f"train.deepspeed_config={user}")))
+    user.write_text(
+        json.dumps({"zero_optimization": {"reduce_bucket_size": 1234}, "steps_per_print": 7})
+    )
+    cfg = RunConfig.from_dict(
+        apply_overrides(
+            {},
+            overrides(
+                tmp_path, "train.strategy=deepspeed_stage_3", f"train.deepspeed_config={user}"
+            ),
+        )
+    )
     ds = deepspeed_config(cfg)
     assert ds["zero_optimization"]["reduce_bucket_size"] == 1234  # the user's value
     assert ds["zero_optimization"]["stage"] == 3  # our default survives the merge
@@ -157,8 +184,12 @@ def test_deepspeed_config_user_json_overrides_defaults(tmp_path):
 
 
 def test_bf16_is_autocast_with_fp32_parameters_and_cpu_limits(tmp_path):
-    cfg = RunConfig.from_dict(apply_overrides({}, overrides(
-        tmp_path, "train.strategy=deepspeed_stage_2", "train.precision=bf16-mixed")))
+    cfg = RunConfig.from_dict(
+        apply_overrides(
+            {},
+            overrides(tmp_path, "train.strategy=deepspeed_stage_2", "train.precision=bf16-mixed"),
+        )
+    )
     ds = build_strategy(cfg).config
     # DeepSpeed's bf16 mode would cast the mHC parameters to bf16: autocast instead.
     assert ds["bf16"] == {"enabled": False}
@@ -210,21 +241,24 @@ def test_zero2_two_processes_matches_single_process(zero2_run, reference):
         assert abs(losses[step] - ref[step]) <= LOSS_ATOL, (step, losses[step], ref[step])
     assert losses[STEPS - 1] < losses[0] - 0.5  # it trained
     ckpts = zero2_run["out"] / "checkpoints"
-    assert {p.name for p in ckpts.iterdir()} == {"last.ckpt", "step000004.ckpt",
-                                                 "step000008.ckpt"}
+    assert {p.name for p in ckpts.iterdir()} == {"last.ckpt", "step000004.ckpt", "step000008.ckpt"}
     assert is_zero_checkpoint(ckpts / "last.ckpt") and zero_world_size(ckpts / "last.ckpt") == 2
     model, config = load_checkpoint(ckpts / "last.ckpt")
     assert config.train.strategy == "deepspeed_stage_2" and config.model.residual_mode == "mhc"
-    torch.testing.assert_close(probe_logits(model), probe_logits(reference["model"]),
-                               rtol=0, atol=LOGITS_ATOL)
+    torch.testing.assert_close(
+        probe_logits(model), probe_logits(reference["model"]), rtol=0, atol=LOGITS_ATOL
+    )
 
 
 def test_zero2_resume_mid_run_continues_exactly(zero2_run, tmp_path):
     """2N steps straight vs N, resume, N more (from the step-N ZeRO checkpoint)."""
     start = zero2_run["out"] / "checkpoints" / "step000004.ckpt"
     record = tmp_path / "record.jsonl"
-    _check(fabric_run("deepspeed_stage_2", record,
-                      overrides(tmp_path / "run", f"train.resume={start}")))
+    _check(
+        fabric_run(
+            "deepspeed_stage_2", record, overrides(tmp_path / "run", f"train.resume={start}")
+        )
+    )
     resumed, straight = read_record(record), zero2_run["losses"]
     assert sorted(resumed) == list(range(4, STEPS))  # no step repeated, none skipped
     for step in resumed:
@@ -238,8 +272,13 @@ def test_zero2_resume_mid_run_continues_exactly(zero2_run, tmp_path):
 
 def test_zero3_with_recompute_matches_single_process_and_consolidates(reference, tmp_path):
     record = tmp_path / "record.jsonl"
-    _check(fabric_run("deepspeed_stage_3", record,
-                      overrides(tmp_path / "run", "train.activation_checkpointing=true")))
+    _check(
+        fabric_run(
+            "deepspeed_stage_3",
+            record,
+            overrides(tmp_path / "run", "train.activation_checkpointing=true"),
+        )
+    )
     losses, ref = read_record(record), reference["losses"]
     for step in range(STEPS):
         assert abs(losses[step] - ref[step]) <= LOSS_ATOL, (step, losses[step], ref[step])
@@ -249,14 +288,19 @@ def test_zero3_with_recompute_matches_single_process_and_consolidates(reference,
     out_file = tmp_path / "consolidated.ckpt"
     state = consolidate_zero_checkpoint(last, out_file, dtype="bf16")
     for name, t in state.items():  # bf16, except the mHC parameters (kept fp32 as in the model)
-        assert t.dtype == (torch.float32 if "_hc." in name or ".hc_head." in name
-                           else torch.bfloat16), name
+        assert t.dtype == (
+            torch.float32 if "_hc." in name or ".hc_head." in name else torch.bfloat16
+        ), name
     assert state["model.lm_head.weight"] is state["model.embed_tokens.weight"]  # still tied
     for path in (last, out_file):  # the directory directly, and the consolidated file
         model, config = load_checkpoint(path)
         assert config.train.activation_checkpointing and config.train.strategy.endswith("3")
         atol = LOGITS_ATOL if path == last else 0.05  # bf16 file: 8-bit mantissa
-        torch.testing.assert_close(probe_logits(model), probe_logits(reference["model"]),
-                                   rtol=0 if path == last else 0.02, atol=atol)
+        torch.testing.assert_close(
+            probe_logits(model),
+            probe_logits(reference["model"]),
+            rtol=0 if path == last else 0.02,
+            atol=atol,
+        )
     ckpt = torch.load(out_file, weights_only=True)
     assert ckpt["global_step"] == STEPS and ckpt["world_size"] == 2

@@ -24,9 +24,14 @@ from unicache_train.train.config import RunConfig  # noqa: E402
 
 V = 272  # >= the test tokenizer's 261 tokens and the byte tokenizer's 260
 COMMON = dict(
-    vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-)  # fmt: skip
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -59,8 +64,13 @@ def _our_greedy(model: Decoder, ids: list[int], eos: int | None) -> list[int]:
 
 
 def _assert_serves(out: Path, *, chat: bool):
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):  # fmt: skip
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (out / name).is_file(), name
     assert any((out / n).is_file() for n in CHAT_TEMPLATE_FILES) == chat
 
@@ -76,16 +86,21 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=261, special_tokens=["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"],
+        vocab_size=261,
+        special_tokens=["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    tok.train_from_iterator(["the cat sat on the mat", "hello world, the dog ran home"] * 8,
-                            trainer)  # fmt: skip
+    )
+    tok.train_from_iterator(
+        ["the cat sat on the mat", "hello world, the dog ran home"] * 8, trainer
+    )
     path = tmp_path_factory.mktemp("tok")
     PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
         chat_template=TEMPLATE,
-    ).save_pretrained(path)  # fmt: skip
+    ).save_pretrained(path)
     return path
 
 
@@ -119,8 +134,12 @@ def _source(family: str, path: Path, tokenizer_dir: Path) -> Path:
 def _check_against_source(out: Path, src: Path, *, trust_remote_code: bool = False):
     """Files present and verbatim; tokenizer and chat template equal; greedy ids equal."""
     _assert_serves(out, chat=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "generation_config.json"):  # fmt: skip
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ):
         assert (out / name).read_bytes() == (src / name).read_bytes(), name
     cfg, src_cfg = (json.loads((d / "config.json").read_text()) for d in (out, src))
     assert (
@@ -132,8 +151,7 @@ def _check_against_source(out: Path, src: Path, *, trust_remote_code: bool = Fal
     tok, model = _auto(out, trust_remote_code=trust_remote_code)
     assert tok(PROMPT)["input_ids"] == src_tok(PROMPT)["input_ids"]
     chat = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    assert chat == src_tok.apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                               tokenize=False)  # fmt: skip
+    assert chat == src_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     assert chat.endswith("<|assistant|>")
     want = _hf_greedy(src_model, src_tok)
     assert len(want) == NEW_TOKENS or want[-1] == 2  # generation really ran
@@ -189,14 +207,31 @@ def test_deepseek_v3_export_of_an_import_serves(tmp_path, tokenizer_dir):
     from unicache_train.checkpoint.deepseek_v3 import export_deepseek_v3, import_deepseek_v3
 
     cfg = DeepseekV3Config(
-        vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
-        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
-        first_k_dense_replace=2, n_routed_experts=1, n_group=1, topk_group=1,
-        num_experts_per_tok=1, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        max_position_embeddings=128, num_mtp_layers=0, initializer_range=0.2, bos_token_id=1,
-        eos_token_id=2, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        first_k_dense_replace=2,
+        n_routed_experts=1,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        max_position_embeddings=128,
+        num_mtp_layers=0,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     DeepseekV3ForCausalLM(cfg).eval().save_pretrained(tmp_path / "src")
     shutil.copytree(tokenizer_dir, tmp_path / "src", dirs_exist_ok=True)
@@ -210,8 +245,7 @@ def test_mla_conversion_exports_with_the_gqa_source_tokenizer(tmp_path, tokenize
 
     src = _source("llama", tmp_path / "src", tokenizer_dir)
     model, _ = import_hf(src)
-    mla = convert_to_mla(model, torch.randint(0, V, (2, 16)), kv_lora_rank=16,
-                         qk_rope_head_dim=8)  # fmt: skip
+    mla = convert_to_mla(model, torch.randint(0, V, (2, 16)), kv_lora_rank=16, qk_rope_head_dim=8)
     export_deepseek_v3(mla, tmp_path / "out", tokenizer_from=src)
     _assert_serves(tmp_path / "out", chat=True)
     tok, back = _auto(tmp_path / "out")
@@ -275,12 +309,26 @@ def test_cli_export_of_an_hf_tokenizer_run_copies_it(tmp_path, tokenizer_dir):
 
     src = _source("qwen2", tmp_path / "src", tokenizer_dir)
     model, config = import_hf(src)
-    torch.save({"hyper_parameters": {"config": RunConfig(
-        model=config, data=DataConfig(tokenizer=str(src))).to_dict()},
-        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}},
-        tmp_path / "m.ckpt")  # fmt: skip
-    main(["export", "--checkpoint", str(tmp_path / "m.ckpt"), "--family", "qwen2",
-          "--out", str(tmp_path / "out")])  # fmt: skip
+    torch.save(
+        {
+            "hyper_parameters": {
+                "config": RunConfig(model=config, data=DataConfig(tokenizer=str(src))).to_dict()
+            },
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        },
+        tmp_path / "m.ckpt",
+    )
+    main(
+        [
+            "export",
+            "--checkpoint",
+            str(tmp_path / "m.ckpt"),
+            "--family",
+            "qwen2",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     _check_against_source(tmp_path / "out", src)
 
 
@@ -290,18 +338,34 @@ def test_finetune_hf_recipe_export_serves(tmp_path, tokenizer_dir, monkeypatch):
 
     src = _source("llama", tmp_path / "src", tokenizer_dir)
     recipe = importlib.import_module("recipes.finetune_hf")
-    trainer = recipe.main([
-        "--checkpoint_dir", str(src), f"hf.export_dir={tmp_path / 'export'}",
-        "hf.export_dtype=fp32", f"train.out_dir={tmp_path / 'run'}", "train.max_steps=1",
-        "train.warmup_steps=0", "train.lr=0.001", "train.accelerator=cpu", "train.resume=null",
-        "train.limit_val_batches=0", "train.progress_bar=false", "logging.logger=none",
-        "monitor.gain=false", "monitor.plots=false", "data.seq_len=32", "data.batch_size=2",
-        "data.synthetic.num_stories=20", "data.synthetic.num_recall=0",
-    ])  # fmt: skip
+    trainer = recipe.main(
+        [
+            "--checkpoint_dir",
+            str(src),
+            f"hf.export_dir={tmp_path / 'export'}",
+            "hf.export_dtype=fp32",
+            f"train.out_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+            "train.warmup_steps=0",
+            "train.lr=0.001",
+            "train.accelerator=cpu",
+            "train.resume=null",
+            "train.limit_val_batches=0",
+            "train.progress_bar=false",
+            "logging.logger=none",
+            "monitor.gain=false",
+            "monitor.plots=false",
+            "data.seq_len=32",
+            "data.batch_size=2",
+            "data.synthetic.num_stories=20",
+            "data.synthetic.num_recall=0",
+        ]
+    )
     out = tmp_path / "export"
     _assert_serves(out, chat=True)
     assert (out / "generation_config.json").read_bytes() == (
-        src / "generation_config.json").read_bytes()  # fmt: skip
+        src / "generation_config.json"
+    ).read_bytes()
     tok, back = _auto(out)
     tuned = trainer.lightning_module.model.float()
     assert _hf_greedy(back, tok) == _our_greedy(tuned, tok(PROMPT)["input_ids"], eos=2)
@@ -331,8 +395,12 @@ def test_tokenizer_object_and_explicit_ids(tmp_path, tokenizer_dir):
     from transformers import AutoTokenizer
 
     model = Decoder(ModelConfig(**COMMON))
-    export_hf(model, tmp_path / "out", tokenizer_from=AutoTokenizer.from_pretrained(tokenizer_dir),
-              eos_token_id=4)  # fmt: skip
+    export_hf(
+        model,
+        tmp_path / "out",
+        tokenizer_from=AutoTokenizer.from_pretrained(tokenizer_dir),
+        eos_token_id=4,
+    )
     _assert_serves(tmp_path / "out", chat=True)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 4)
@@ -366,8 +434,9 @@ def test_smollm2_export_serves_its_chat_template(tmp_path):
     tokens = []
     for path in (SMOLLM2, out):
         tok, lm = _auto(path)
-        enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
-                                      return_tensors="pt")  # fmt: skip
+        enc = tok.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
         assert enc["input_ids"].shape[1] > 20  # the template's system turn is there
         gen = lm.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False)
         tokens.append(gen[0, enc["input_ids"].shape[1] :].tolist())

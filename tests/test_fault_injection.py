@@ -36,12 +36,23 @@ from unicache_train.train.config import CompressionTrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
-        "model.num_attention_heads=2", "model.num_key_value_heads=1", "data.seq_len=32",
-        "data.batch_size=4", "data.synthetic.num_stories=40", "data.synthetic.num_recall=40",
-        "train.checkpoint_every_n_steps=2", "train.val_every_n_steps=100",
-        "train.accelerator=cpu", "train.progress_bar=false", "logging.logger=none",
-        "monitor.gain=false"]  # fmt: skip
+TINY = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=2",
+    "model.num_key_value_heads=1",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "data.synthetic.num_stories=40",
+    "data.synthetic.num_recall=40",
+    "train.checkpoint_every_n_steps=2",
+    "train.val_every_n_steps=100",
+    "train.accelerator=cpu",
+    "train.progress_bar=false",
+    "logging.logger=none",
+    "monitor.gain=false",
+]
 
 
 def fit_args(out_dir: Path, steps: int, *extra: str) -> list[str]:
@@ -52,8 +63,11 @@ def digest(root: Path) -> dict[str, str]:
     """relative path -> SHA-256 of every file under ``root`` (what "nothing lost" compares)."""
     if root.is_file():
         return {".": hashlib.sha256(root.read_bytes()).hexdigest()}
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def leftovers(root: Path) -> list[Path]:
@@ -192,8 +206,10 @@ def test_python_tag_in_a_recipe_config_and_override_runs_nothing(tmp_path, marke
     cfg.write_text(EVIL_YAML.format(marker=marker))
     default = ROOT / "recipes" / "pretrain_tiny.yaml"
     expect_one_line(
-        capsys, lambda: parse_recipe_args(["--config", str(cfg)], default, run_sections(),
-                                          doc=None), f"{cfg}: line 1")  # fmt: skip
+        capsys,
+        lambda: parse_recipe_args(["--config", str(cfg)], default, run_sections(), doc=None),
+        f"{cfg}: line 1",
+    )
     override = f'train.lr=!!python/object/apply:os.system ["touch {marker}"]'
     expect_one_line(
         capsys,
@@ -241,19 +257,25 @@ CKPT_CASES = {
     "truncated": (lambda p: p.write_bytes(p.read_bytes()[:1000]), "1000 bytes, but"),
     "truncated, no manifest": (
         lambda p: (p.write_bytes(p.read_bytes()[:1000]), Path(f"{p}.sha256").unlink()),
-        "not a readable checkpoint"),
+        "not a readable checkpoint",
+    ),
     "empty, no manifest": (
-        lambda p: (p.write_bytes(b""), Path(f"{p}.sha256").unlink()), "the file is empty"),
+        lambda p: (p.write_bytes(b""), Path(f"{p}.sha256").unlink()),
+        "the file is empty",
+    ),
     "garbage, no manifest": (
         lambda p: (p.write_bytes(os.urandom(4096)), Path(f"{p}.sha256").unlink()),
-        "not a readable checkpoint"),
-    "no hyper-parameters": (lambda p: _rewrite(p, _drop("hyper_parameters")),
-                            "no hyper_parameters.config"),
+        "not a readable checkpoint",
+    ),
+    "no hyper-parameters": (
+        lambda p: _rewrite(p, _drop("hyper_parameters")),
+        "no hyper_parameters.config",
+    ),
     "no state dict": (lambda p: _rewrite(p, _drop("state_dict")), "no state_dict mapping"),
     "another model's shape": (lambda p: _rewrite(p, _other_shape), "of another shape"),
     "another layer count": (lambda p: _rewrite(p, _other_depth), "missing (first"),
     "too large for memory": (lambda p: _rewrite(p, _huge), "would not fit in memory"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(CKPT_CASES))
@@ -377,8 +399,13 @@ def test_export_refuses_non_finite_weights(run_copy, tmp_path, capsys):
 # ----------------------------------------------------------------------------- export outputs
 def test_export_into_a_non_empty_folder_needs_overwrite(run, export_copy, tmp_path, capsys):
     before = digest(export_copy)
-    argv = ["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out",
-            str(export_copy)]  # fmt: skip
+    argv = [
+        "export",
+        "--checkpoint",
+        str(run / "checkpoints" / "last.ckpt"),
+        "--out",
+        str(export_copy),
+    ]
     expect_one_line(capsys, lambda: main(argv), "the folder is not empty; pass --overwrite")
     assert digest(export_copy) == before
 
@@ -388,8 +415,17 @@ def test_export_overwrite_removes_the_previous_exports_files(run, export_copy, c
     write_compression_config(policy_of(CompressionTrainConfig(enabled=True)), export_copy)
     (export_copy / "leftover_from_old_export.bin").write_bytes(b"x")
     write_manifest(export_copy)  # it was a complete export
-    main(["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out",
-          str(export_copy), "--overwrite", "true"])  # fmt: skip
+    main(
+        [
+            "export",
+            "--checkpoint",
+            str(run / "checkpoints" / "last.ckpt"),
+            "--out",
+            str(export_copy),
+            "--overwrite",
+            "true",
+        ]
+    )
     assert not (export_copy / "compression_config.json").exists()
     assert not (export_copy / "leftover_from_old_export.bin").exists()
     assert not leftovers(export_copy.parent)
@@ -402,8 +438,15 @@ def test_export_overwrite_never_deletes_a_folder_that_is_not_an_export(run, tmp_
     home = tmp_path / "notes"
     home.mkdir()
     (home / "thesis.tex").write_text("years of work")
-    argv = ["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", str(home),
-            "--overwrite", "true"]  # fmt: skip
+    argv = [
+        "export",
+        "--checkpoint",
+        str(run / "checkpoints" / "last.ckpt"),
+        "--out",
+        str(home),
+        "--overwrite",
+        "true",
+    ]
     expect_one_line(capsys, lambda: main(argv), "holds files that are not an export")
     assert (home / "thesis.tex").read_text() == "years of work"
 
@@ -471,33 +514,61 @@ SERVE_CASES = {
     "our auto_map, tampered code": (_ours_tampered, [], "names code that is not"),
     "tokenizer auto_map": (_tokenizer_auto_map, [], "auto_map names tokenizer code"),
     "weights changed": (lambda e, m: _flip(e / "model.safetensors"), [], "SHA-256 differs"),
-    "pickled weights only": (_move("model.safetensors", "pytorch_model.bin"), [],
-                             "only pytorch_model.bin (pickled weights are not read"),
+    "pickled weights only": (
+        _move("model.safetensors", "pytorch_model.bin"),
+        [],
+        "only pytorch_model.bin (pickled weights are not read",
+    ),
     "no weights": (_move("model.safetensors", None), [], "no weights; expected"),
     "no tokenizer": (_move("tokenizer*", None), [], "no tokenizer"),
-    "policy: unknown key": (_policy(lambda d: d["policy"].update(evil=1)), ["--compressed", "true"],
-                            "unknown key(s) ['evil'] in policy"),
-    "policy: top-level auto_map": (_policy(lambda d: d.update(auto_map={"x": "evil.X"})),
-                                   ["--compressed", "true"], "key(s) ['auto_map'] at the top"),
-    "policy: no unicache section": (_policy(lambda d: d["policy"].pop("unicache")),
-                                    ["--compressed", "true"], "policy.unicache=None"),
-    "policy: empty unicache section": (_policy(lambda d: d["policy"].update(unicache={})),
-                                       ["--compressed", "true"], "policy.unicache={}"),
+    "policy: unknown key": (
+        _policy(lambda d: d["policy"].update(evil=1)),
+        ["--compressed", "true"],
+        "unknown key(s) ['evil'] in policy",
+    ),
+    "policy: top-level auto_map": (
+        _policy(lambda d: d.update(auto_map={"x": "evil.X"})),
+        ["--compressed", "true"],
+        "key(s) ['auto_map'] at the top",
+    ),
+    "policy: no unicache section": (
+        _policy(lambda d: d["policy"].pop("unicache")),
+        ["--compressed", "true"],
+        "policy.unicache=None",
+    ),
+    "policy: empty unicache section": (
+        _policy(lambda d: d["policy"].update(unicache={})),
+        ["--compressed", "true"],
+        "policy.unicache={}",
+    ),
     "policy: bad setting": (
-        _policy(lambda d: d["policy"]["unicache"].update(target_rate=7)), ["--compressed", "true"],
-        "target_rate=7 is out of range"),
+        _policy(lambda d: d["policy"]["unicache"].update(target_rate=7)),
+        ["--compressed", "true"],
+        "target_rate=7 is out of range",
+    ),
     "policy: nested 100,000 deep": (_deep, ["--compressed", "true"], "nested too deeply"),
-    "prompt past the positions": (lambda e, m: None, ["--max_new_tokens", "5000"],
-                                  "exceed the 4096 positions"),
-}  # fmt: skip
+    "prompt past the positions": (
+        lambda e, m: None,
+        ["--max_new_tokens", "5000"],
+        "exceed the 4096 positions",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(SERVE_CASES))
 def test_bad_export_is_one_line_and_runs_nothing(export_copy, marker, capsys, case):
     spoil, extra, fragment = SERVE_CASES[case]
     spoil(export_copy, marker)
-    argv = ["generate", "--export", str(export_copy), "--prompt", "hi", "--max_new_tokens", "2",
-            *extra]  # fmt: skip
+    argv = [
+        "generate",
+        "--export",
+        str(export_copy),
+        "--prompt",
+        "hi",
+        "--max_new_tokens",
+        "2",
+        *extra,
+    ]
     expect_one_line(capsys, lambda: main(argv), fragment)
     assert not marker.exists()
 
@@ -510,9 +581,17 @@ def test_our_own_mhc_remote_code_serves_without_trust_remote_code(tmp_path, caps
     from unicache_train.model.config import ModelConfig
 
     torch.manual_seed(0)
-    model = Decoder(ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=2, num_key_value_heads=1,
-                                residual_mode="mhc", hc_mult=2))  # fmt: skip
+    model = Decoder(
+        ModelConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            residual_mode="mhc",
+            hc_mult=2,
+        )
+    )
     out = export_hf(model, tmp_path / "mhc", tokenizer_from="byte")
     assert check_export_dir(out) is True  # remote code, allowed because it is ours
     main(["generate", "--export", str(out), "--prompt", "hi", "--max_new_tokens", "2"])
@@ -552,7 +631,7 @@ HF_CASES = {
     "positions 1e12": ({"max_position_embeddings": 1e12}, "max_position_embeddings=1000000000000"),
     "layers 1e9": ({"num_hidden_layers": 1e9}, "num_hidden_layers=1000000000"),
     "fractional layers": ({"num_hidden_layers": 2.5}, "num_hidden_layers=2.5"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(HF_CASES))
@@ -597,11 +676,13 @@ def _gguf_bytes() -> bytes:
 GGUF_CASES = {
     "garbage": (lambda b: b"hello, not a model at all" * 8, "not a GGUF file"),
     "unknown version": (lambda b: b[:4] + (9).to_bytes(4, "little") + b[8:], "GGUF version 9"),
-    "absurd counts": (lambda b: b[:8] + (10**15).to_bytes(8, "little") + b[16:],
-                      "1000000000000000 tensors"),
+    "absurd counts": (
+        lambda b: b[:8] + (10**15).to_bytes(8, "little") + b[16:],
+        "1000000000000000 tensors",
+    ),
     "truncated": (lambda b: b[:-40], "truncated or corrupt"),
     "header only": (lambda b: b[:16], "too short for a GGUF header"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(GGUF_CASES))

@@ -56,8 +56,9 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_intact(tmp_pa
         torch.save = half_then_die
         io.save_checkpoint({{"global_step": 2, "w": torch.zeros(1000)}}, {str(last)!r})
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert torch.load(last, weights_only=True)["global_step"] == 1  # the complete old one
     assert (tmp_path / "checkpoints" / "last.ckpt.tmp").exists()  # the half-written one
@@ -114,12 +115,23 @@ def test_resume_of_a_zero_checkpoint_on_another_world_size_is_a_clear_error(tmp_
 
 def test_world_size_change_on_resume_warns(tmp_path):
     """A checkpoint written by 2 ranks resumed by 1: the module and the data loader say so."""
-    args = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
-            "data.seq_len=32", "data.batch_size=2", "data.synthetic.num_stories=20",
-            "data.synthetic.num_recall=20", "train.warmup_steps=0", "train.limit_val_batches=0",
-            "train.checkpoint_every_n_steps=2", "train.progress_bar=false",
-            "train.accelerator=cpu", "logging.logger=none", f"train.out_dir={tmp_path}",
-            "train.resume=auto"]
+    args = [
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=1",
+        "data.seq_len=32",
+        "data.batch_size=2",
+        "data.synthetic.num_stories=20",
+        "data.synthetic.num_recall=20",
+        "train.warmup_steps=0",
+        "train.limit_val_batches=0",
+        "train.checkpoint_every_n_steps=2",
+        "train.progress_bar=false",
+        "train.accelerator=cpu",
+        "logging.logger=none",
+        f"train.out_dir={tmp_path}",
+        "train.resume=auto",
+    ]
     fit(RunConfig.from_dict(apply_overrides({}, [*args, "train.max_steps=2"])))
     last = tmp_path / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, weights_only=True)
@@ -137,13 +149,28 @@ def test_world_size_change_on_resume_warns(tmp_path):
 
 # ----------------------------------------------------------------------------- 2 processes
 KILL_ARGS = [
-    "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-    "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.residual_mode=mhc",
-    "model.hc_mult=4", "compress.enabled=true", "data.seq_len=64", "data.batch_size=4",
-    "data.synthetic.num_stories=60", "data.synthetic.num_recall=60", "train.max_steps=8",
-    "train.warmup_steps=2", "train.checkpoint_every_n_steps=2", "train.limit_val_batches=0",
-    "train.val_every_n_steps=8", "train.progress_bar=false", "train.log_every_n_steps=1",
-    "train.accelerator=cpu", "train.activation_checkpointing=true", "train.resume=auto",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.residual_mode=mhc",
+    "model.hc_mult=4",
+    "compress.enabled=true",
+    "data.seq_len=64",
+    "data.batch_size=4",
+    "data.synthetic.num_stories=60",
+    "data.synthetic.num_recall=60",
+    "train.max_steps=8",
+    "train.warmup_steps=2",
+    "train.checkpoint_every_n_steps=2",
+    "train.limit_val_batches=0",
+    "train.val_every_n_steps=8",
+    "train.progress_bar=false",
+    "train.log_every_n_steps=1",
+    "train.accelerator=cpu",
+    "train.activation_checkpointing=true",
+    "train.resume=auto",
     "logging.logger=none",
 ]
 
@@ -157,10 +184,15 @@ def expected_batches(args: list[str], world_size: int, steps: int) -> dict[tuple
     dm.setup()
     out = {}
     for rank in range(world_size):
-        sampler = SeededSampler(dm.train_dataset, config.data.seed, num_replicas=world_size,
-                                rank=rank)
-        loader = DataLoader(dm.train_dataset, batch_size=config.data.batch_size,
-                            sampler=sampler, collate_fn=PackedCollator())
+        sampler = SeededSampler(
+            dm.train_dataset, config.data.seed, num_replicas=world_size, rank=rank
+        )
+        loader = DataLoader(
+            dm.train_dataset,
+            batch_size=config.data.batch_size,
+            sampler=sampler,
+            collate_fn=PackedCollator(),
+        )
         for step, batch in zip(range(steps), loader):
             out[(rank, step)] = batch_fingerprint(batch["input_ids"])
     return out
@@ -169,9 +201,25 @@ def expected_batches(args: list[str], world_size: int, steps: int) -> dict[tuple
 def _launch(record: Path, args: list[str]) -> subprocess.CompletedProcess:
     fabric = Path(sys.executable).with_name("fabric")
     return subprocess.run(
-        [str(fabric), "run", "--accelerator", "cpu", "--devices", "2", "--strategy",
-         "deepspeed_stage_2", "--precision", "bf16-mixed", str(DRIVER), str(record), *args],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        [
+            str(fabric),
+            "run",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "2",
+            "--strategy",
+            "deepspeed_stage_2",
+            "--precision",
+            "bf16-mixed",
+            str(DRIVER),
+            str(record),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
@@ -193,8 +241,12 @@ def test_sigkill_of_a_rank_mid_checkpoint_then_resume_auto(tmp_path):
     half = ckpts / "step000006.ckpt.tmp"
     assert half.is_dir()  # what the dead rank left: a half-written shard under a temp name
     assert not (ckpts / "step000006.ckpt").exists()
-    assert torch.load(ckpts / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt",
-                      weights_only=True)["global_step"] == 4
+    assert (
+        torch.load(
+            ckpts / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt", weights_only=True
+        )["global_step"]
+        == 4
+    )
 
     second = _launch(tmp_path / "second.jsonl", args)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
@@ -214,10 +266,19 @@ def test_sigkill_of_a_rank_mid_checkpoint_then_resume_auto(tmp_path):
 
     # Only complete checkpoints remain, and each of them loads.
     names = sorted(p.name for p in ckpts.iterdir())
-    assert names == ["last.ckpt", "step000002.ckpt", "step000004.ckpt", "step000006.ckpt",
-                     "step000008.ckpt"], names
+    assert names == [
+        "last.ckpt",
+        "step000002.ckpt",
+        "step000004.ckpt",
+        "step000006.ckpt",
+        "step000008.ckpt",
+    ], names
     for name in names:
         model, _ = load_checkpoint(ckpts / name)
         assert model.config.residual_mode == "mhc"
-    assert torch.load(ckpts / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt",
-                      weights_only=True)["global_step"] == 8
+    assert (
+        torch.load(
+            ckpts / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt", weights_only=True
+        )["global_step"]
+        == 8
+    )

@@ -135,13 +135,15 @@ def test_flex_forward_equals_dense_mask_and_per_sample(name: str) -> None:
     q, k, v, seg_k, seg_v, segment, split = make_case(**kw)
     H, Hk = q.shape[1], k.shape[1]
     with torch.no_grad():
-        flex = attend_segment_flex(q, k, v, seg_k, seg_v, segment, split, scale=scale,
-                                   softcap=softcap, enable_gqa=H != Hk)  # fmt: skip
+        flex = attend_segment_flex(
+            q, k, v, seg_k, seg_v, segment, split, scale=scale, softcap=softcap, enable_gqa=H != Hk
+        )
         dense = dense_path(q, k, v, seg_k, seg_v, segment, split, scale, softcap)
         torch.testing.assert_close(flex, dense, **TOL)
         if softcap is None:  # the per-sample kernel has no softcap (the layer takes the mask)
-            per = attend_segment_per_sample(q, k, v, seg_k, seg_v, segment, split, scale=scale,
-                                            enable_gqa=H != Hk)  # fmt: skip
+            per = attend_segment_per_sample(
+                q, k, v, seg_k, seg_v, segment, split, scale=scale, enable_gqa=H != Hk
+            )
             torch.testing.assert_close(flex, per, **TOL)
         # The materialised mods (used for the gradients below) are the same function.
         torch.testing.assert_close(
@@ -194,12 +196,21 @@ def test_block_mask_from_tiles_equals_create_block_mask(T, M, bs, splits) -> Non
     segment.valid[1, :bs] = True
     segment.valid[2, : min(bs, M)] = False
     fx = segment_flex_inputs(k, v, seg_k, seg_v, segment, split, q.dtype, block_size=bs)
-    ref = create_block_mask(fx.mask_mod, q.shape[0], None, T, fx.keys.shape[2], device="cpu",
-                            BLOCK_SIZE=bs)  # fmt: skip
+    ref = create_block_mask(
+        fx.mask_mod, q.shape[0], None, T, fx.keys.shape[2], device="cpu", BLOCK_SIZE=bs
+    )
     ours = fx.block_mask
     assert ours.seq_lengths == ref.seq_lengths and ours.BLOCK_SIZE == ref.BLOCK_SIZE
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):  # fmt: skip
+    for name in (
+        "kv_num_blocks",
+        "kv_indices",
+        "full_kv_num_blocks",
+        "full_kv_indices",
+        "q_num_blocks",
+        "q_indices",
+        "full_q_num_blocks",
+        "full_q_indices",
+    ):
         assert torch.equal(getattr(ours, name), getattr(ref, name)), name
     # Non-trivial: both partial and full tiles occur, and some tiles are skipped.
     dense = ours.to_dense()
@@ -246,9 +257,15 @@ def test_model_seam_flex_equals_batched(monkeypatch) -> None:
     evictions, padding) with ragged splits, GQA and the attention softcap (a Gemma option); the
     flex mode's logits = the batched mode's (forward only: no FlexAttention backward on CPU)."""
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         attn_logit_softcapping=3.0)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_logit_softcapping=3.0,
+    )
     model = Decoder(config).eval()
     d = text_style_baseline().to_dict()
     d["target_rate"] = 0.6
@@ -272,8 +289,9 @@ def test_compiled_flex_on_cpu_honours_the_block_mask() -> None:
     q, k, v, seg_k, seg_v, segment, split = make_case(T=301, M=140, splits=(129, 300, 7, 256))
     fx = segment_flex_inputs(k, v, seg_k, seg_v, segment, split, q.dtype)
     with torch.no_grad():
-        out = torch.compile(flex_attention)(q, fx.keys, fx.values, score_mod=fx.score_mod,
-                                            block_mask=fx.block_mask, enable_gqa=True)  # fmt: skip
+        out = torch.compile(flex_attention)(
+            q, fx.keys, fx.values, score_mod=fx.score_mod, block_mask=fx.block_mask, enable_gqa=True
+        )
         torch.testing.assert_close(out, dense_path(q, k, v, seg_k, seg_v, segment, split), **TOL)
 
 
@@ -286,10 +304,8 @@ def test_flex_on_cuda_matches_dense_mask_fwd_bwd(dtype, softcap) -> None:
     floor = 1e-5 if dtype == torch.float32 else 4e-3
     results = {}
     for path, dt in (("ref", torch.float64), ("flex", dtype), ("dense", dtype)):
-        q, k, v, seg_k, seg_v, segment, split = make_case(T=301, M=140,
-                                                          splits=(129, 300, 7, 256))  # fmt: skip
-        leaves = [x.detach().to("cuda", dt).requires_grad_(True)
-                  for x in (q, k, v, seg_k, seg_v)]  # fmt: skip
+        q, k, v, seg_k, seg_v, segment, split = make_case(T=301, M=140, splits=(129, 300, 7, 256))
+        leaves = [x.detach().to("cuda", dt).requires_grad_(True) for x in (q, k, v, seg_k, seg_v)]
         segment.counts, segment.valid = segment.counts.cuda(), segment.valid.cuda()
         args = (*leaves, segment, split.cuda())
         if path == "flex":
@@ -300,8 +316,9 @@ def test_flex_on_cuda_matches_dense_mask_fwd_bwd(dtype, softcap) -> None:
         out.backward(cot)
         results[path] = [out.detach().double()] + [x.grad.double() for x in leaves]
     names = ("out", "dq", "dk", "dv", "dseg_k", "dseg_v")
-    for name, ref, flex, dense in zip(names, *(results[p] for p in ("ref", "flex", "dense")),
-                                      strict=True):  # fmt: skip
+    for name, ref, flex, dense in zip(
+        names, *(results[p] for p in ("ref", "flex", "dense")), strict=True
+    ):
         scale = ref.abs().max()
         err_flex = ((flex - ref).abs().max() / scale).item()
         err_dense = ((dense - ref).abs().max() / scale).item()

@@ -24,16 +24,34 @@ def _hf_gemma3(path, **kw):
     """A tiny random Gemma3ForCausalLM with random norm gains, saved with save_pretrained."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    cfg = Gemma3TextConfig(**{
-        "vocab_size": V, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
-        "max_position_embeddings": 128, "sliding_window": 5, "query_pre_attn_scalar": 20,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
-                        "sliding_attention"],
-        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 7000.0},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 300.0}},
-        "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1, **kw,
-    })  # fmt: skip
+    cfg = Gemma3TextConfig(
+        **{
+            "vocab_size": V,
+            "hidden_size": 48,
+            "intermediate_size": 80,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 24,
+            "max_position_embeddings": 128,
+            "sliding_window": 5,
+            "query_pre_attn_scalar": 20,
+            "layer_types": [
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 7000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 300.0},
+            },
+            "pad_token_id": 0,
+            "bos_token_id": 2,
+            "eos_token_id": 1,
+            **kw,
+        }
+    )
     torch.manual_seed(0)
     hf = Gemma3ForCausalLM(cfg).eval()
     with torch.no_grad():  # zero-init norms would hide a missing "1 +"
@@ -90,13 +108,24 @@ def test_legacy_rope_keys_import(tmp_path):
 
 
 def gemma_config(**kw) -> ModelConfig:
-    return ModelConfig(**{
-        "vocab_size": V, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "qk_norm": True,
-        "block_style": "gemma3", "sliding_window": 6, "rope_local_theta": 100.0,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        "query_pre_attn_scalar": 20.0, **kw,
-    })  # fmt: skip
+    return ModelConfig(
+        **{
+            "vocab_size": V,
+            "hidden_size": 48,
+            "intermediate_size": 80,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 24,
+            "qk_norm": True,
+            "block_style": "gemma3",
+            "sliding_window": 6,
+            "rope_local_theta": 100.0,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "query_pre_attn_scalar": 20.0,
+            **kw,
+        }
+    )
 
 
 def test_attention_softcap_equals_the_eager_reference():
@@ -167,8 +196,9 @@ def test_config_and_export_errors(tmp_path):
     with pytest.raises(HFCheckpointError, match="gemma3_text"):
         export_hf(Decoder(gemma_config()), tmp_path / "a", family="qwen3")
     with pytest.raises(HFCheckpointError, match="ignores attn_logit_softcapping"):
-        export_hf(Decoder(gemma_config(attn_logit_softcapping=5.0)), tmp_path / "b",
-                  family="gemma3_text")
+        export_hf(
+            Decoder(gemma_config(attn_logit_softcapping=5.0)), tmp_path / "b", family="gemma3_text"
+        )
     _hf_gemma3(tmp_path / "src")
     import json
 

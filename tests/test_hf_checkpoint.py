@@ -16,8 +16,15 @@ from unicache_train.model import Decoder  # noqa: E402
 from unicache_train.model.config import ModelConfig  # noqa: E402
 
 V = 97
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 def _hf_config(family: str, **kw):
@@ -88,8 +95,13 @@ def test_sharded_import_and_bf16_export(tmp_path):
     ids = torch.randint(0, V, (1, 11))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
-    out = export_hf(ours, tmp_path / "bf16", family="llama", dtype="bf16",
-                    compression_policy={"preset": "default", "rate": 0.6})
+    out = export_hf(
+        ours,
+        tmp_path / "bf16",
+        family="llama",
+        dtype="bf16",
+        compression_policy={"preset": "default", "rate": 0.6},
+    )
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     policy = json.loads((out / "compression_config.json").read_text())
     assert policy["schema_version"] == 1 and policy["policy"]["rate"] == 0.6
@@ -110,8 +122,15 @@ def test_sharded_import_and_bf16_export(tmp_path):
 
 def _mhc_model() -> Decoder:
     torch.manual_seed(0)
-    cfg = ModelConfig(**COMMON, residual_mode="mhc", hc_mult=4, hc_sinkhorn_iters=5,
-                      qk_norm=True, attention_bias=True, tie_word_embeddings=False)
+    cfg = ModelConfig(
+        **COMMON,
+        residual_mode="mhc",
+        hc_mult=4,
+        hc_sinkhorn_iters=5,
+        qk_norm=True,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    )
     model = Decoder(cfg).eval()
     with torch.no_grad():  # move off the init point so every coefficient matters
         for name, p in model.named_parameters():
@@ -144,8 +163,9 @@ def test_mhc_export_loads_with_trust_remote_code(tmp_path):
     assert torch.equal(back.generate(prompt, max_new_tokens=6, do_sample=False), want)
     assert lengths[1:] and set(lengths[1:]) == {1}  # decoding steps used the K/V cache
     hook.remove()
-    assert torch.equal(back.generate(prompt, max_new_tokens=6, do_sample=False,
-                                     use_cache=False), want)
+    assert torch.equal(
+        back.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False), want
+    )
     again, config = import_hf(out)  # our own format imports back
     assert config.uses_streams
     with torch.no_grad():
@@ -154,8 +174,11 @@ def test_mhc_export_loads_with_trust_remote_code(tmp_path):
 
 def test_head_merged_export_is_exact_for_merged_kv(tmp_path):
     torch.manual_seed(0)
-    model = Decoder(ModelConfig(**dict(COMMON, num_attention_heads=8, num_key_value_heads=4),
-                                tie_word_embeddings=False)).eval()
+    model = Decoder(
+        ModelConfig(
+            **dict(COMMON, num_attention_heads=8, num_key_value_heads=4), tie_word_embeddings=False
+        )
+    ).eval()
     groups = [[[0, 2], [1, 3]], [[0, 1], [2, 3]]]
     merged = merge_kv_heads(model, groups).eval()
     assert merged.config.num_key_value_heads == 2
@@ -240,10 +263,14 @@ def test_unknown_model_type_and_architecture(llama_dir):
     "changes, match",
     [
         # Scaled RoPE (linear/dynamic/llama3/yarn) imports: tests/test_rope_scaling.py.
-        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 500.0, "factor": 4.0}},
-         "rope_type='longrope' is not implemented"),
-        ({"rope_scaling": {"type": "su", "factor": 2.0}, "rope_parameters": None},
-         "rope_type='su' is not implemented"),
+        (
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 500.0, "factor": 4.0}},
+            "rope_type='longrope' is not implemented",
+        ),
+        (
+            {"rope_scaling": {"type": "su", "factor": 2.0}, "rope_parameters": None},
+            "rope_type='su' is not implemented",
+        ),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],
@@ -262,11 +289,17 @@ def test_sliding_window_imports_into_the_config(tmp_path):
     _edit_config(tmp_path / "m", sliding_window=4096)  # >= max_position_embeddings: inert
     assert import_hf(tmp_path / "m")[1].sliding_window is None
     _save_hf("qwen2", tmp_path / "q")
-    _edit_config(tmp_path / "q", use_sliding_window=True, sliding_window=8, max_window_layers=1,
-                 layer_types=None)
+    _edit_config(
+        tmp_path / "q",
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+        layer_types=None,
+    )
     config = import_hf(tmp_path / "q")[1]
     assert config.sliding_window == 8 and config.layer_types == [
-        "full_attention", "sliding_attention"
+        "full_attention",
+        "sliding_attention",
     ]
 
 
@@ -291,20 +324,37 @@ def test_finetune_hf_recipe_trains_mhc_and_exports(tmp_path):
     _save_hf("llama", tmp_path / "src", vocab_size=300)
     recipe = importlib.import_module("recipes.finetune_hf")
     out = tmp_path / "run"
-    trainer = recipe.main([
-        "--checkpoint_dir", str(tmp_path / "src"), "hf.mhc=true", "hf.hc_mult=2",
-        f"hf.export_dir={tmp_path / 'export'}", "hf.export_dtype=fp32",
-        f"train.out_dir={out}", "train.max_steps=2", "train.warmup_steps=0", "train.lr=0.001",
-        "train.accelerator=cpu", "train.resume=null", "train.val_every_n_steps=1",
-        "train.limit_val_batches=1", "train.progress_bar=false", "logging.logger=none",
-        "monitor.gain=false", "monitor.plots=false", "data.seq_len=32", "data.batch_size=2",
-        "data.synthetic.num_stories=20", "data.synthetic.num_recall=0",
-    ])
+    trainer = recipe.main(
+        [
+            "--checkpoint_dir",
+            str(tmp_path / "src"),
+            "hf.mhc=true",
+            "hf.hc_mult=2",
+            f"hf.export_dir={tmp_path / 'export'}",
+            "hf.export_dtype=fp32",
+            f"train.out_dir={out}",
+            "train.max_steps=2",
+            "train.warmup_steps=0",
+            "train.lr=0.001",
+            "train.accelerator=cpu",
+            "train.resume=null",
+            "train.val_every_n_steps=1",
+            "train.limit_val_batches=1",
+            "train.progress_bar=false",
+            "logging.logger=none",
+            "monitor.gain=false",
+            "monitor.plots=false",
+            "data.seq_len=32",
+            "data.batch_size=2",
+            "data.synthetic.num_stories=20",
+            "data.synthetic.num_recall=0",
+        ]
+    )
     assert trainer.global_step == 2
     init = load_file(str(out / "init_weights.safetensors"))
     ours, config = import_hf(tmp_path / "export")
     assert config.uses_streams and config.hc_mult == 2
-    moved = (ours.state_dict()["layers.0.mlp.up_proj.weight"] - init["layers.0.mlp.up_proj.weight"])
+    moved = ours.state_dict()["layers.0.mlp.up_proj.weight"] - init["layers.0.mlp.up_proj.weight"]
     assert moved.abs().max() > 0  # the fine-tuned weights were exported, not the init
     back = _load_hf(tmp_path / "export", trust_remote_code=True)
     ids = torch.randint(0, 300, (1, 9))
@@ -319,8 +369,13 @@ def _write_ckpt(path, model_cfg: ModelConfig, **run):
     torch.manual_seed(0)
     model = Decoder(model_cfg).eval()
     config = RunConfig(model=model_cfg, **run)
-    torch.save({"hyper_parameters": {"config": config.to_dict()},
-                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, path)
+    torch.save(
+        {
+            "hyper_parameters": {"config": config.to_dict()},
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        },
+        path,
+    )
     return model
 
 
@@ -328,23 +383,56 @@ def test_cli_export_hf_and_deepseek_v3(tmp_path):
     from unicache_train.cli import main
     from unicache_train.train.config import CompressionTrainConfig
 
-    model = _write_ckpt(tmp_path / "gqa.ckpt", ModelConfig(**COMMON),
-                        compress=CompressionTrainConfig(enabled=True))
-    main(["export", "--checkpoint", str(tmp_path / "gqa.ckpt"), "--format", "hf",
-          "--family", "qwen2", "--out", str(tmp_path / "hf")])
+    model = _write_ckpt(
+        tmp_path / "gqa.ckpt", ModelConfig(**COMMON), compress=CompressionTrainConfig(enabled=True)
+    )
+    main(
+        [
+            "export",
+            "--checkpoint",
+            str(tmp_path / "gqa.ckpt"),
+            "--format",
+            "hf",
+            "--family",
+            "qwen2",
+            "--out",
+            str(tmp_path / "hf"),
+        ]
+    )
     policy = json.loads((tmp_path / "hf" / "compression_config.json").read_text())
     assert policy["schema_version"] == 1 and policy["policy"]["method"] == "unicache"
     ids = torch.randint(0, V, (1, 7))
     with torch.no_grad():
-        torch.testing.assert_close(_load_hf(tmp_path / "hf")(ids).logits, model(ids).logits,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            _load_hf(tmp_path / "hf")(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5
+        )
     mla = _write_ckpt(tmp_path / "mla.ckpt", ModelConfig(**COMMON, attention_type="mla"))
-    main(["export", "--checkpoint", str(tmp_path / "mla.ckpt"), "--format", "deepseek_v3",
-          "--out", str(tmp_path / "ds"), "--dtype", "bf16"])
+    main(
+        [
+            "export",
+            "--checkpoint",
+            str(tmp_path / "mla.ckpt"),
+            "--format",
+            "deepseek_v3",
+            "--out",
+            str(tmp_path / "ds"),
+            "--dtype",
+            "bf16",
+        ]
+    )
     cfg = json.loads((tmp_path / "ds" / "config.json").read_text())
     assert cfg["model_type"] == "deepseek_v3" and cfg["dtype"] == "bfloat16"
     assert not (tmp_path / "ds" / "compression_config.json").exists()
     with pytest.raises(SystemExit):  # a GQA model has no DeepseekV3 form: a clean CLI error
-        main(["export", "--checkpoint", str(tmp_path / "gqa.ckpt"), "--format", "deepseek_v3",
-              "--out", str(tmp_path / "bad")])
+        main(
+            [
+                "export",
+                "--checkpoint",
+                str(tmp_path / "gqa.ckpt"),
+                "--format",
+                "deepseek_v3",
+                "--out",
+                str(tmp_path / "bad"),
+            ]
+        )
     del mla

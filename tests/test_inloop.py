@@ -78,8 +78,10 @@ def _stored_kv(seg, b: int, Hk: int, D: int) -> tuple[torch.Tensor, torch.Tensor
         q = seg.quant
         ks, vs = q.k_scale[b].double(), q.v_scale[b].double()  # [G, M] or [G]
         if q.granularity == "head":
-            ks, vs = ks[:, None].expand(-1, q.k_data.shape[2]), vs[:, None].expand(
-                -1, q.v_data.shape[2])
+            ks, vs = (
+                ks[:, None].expand(-1, q.k_data.shape[2]),
+                vs[:, None].expand(-1, q.v_data.shape[2]),
+            )
         if q.granularity == "channel":  # [G, D]: one scale per feature over the entries
             k = unpack(q.k_data[b], q.bits) * ks[:, None, :]
             v = unpack(q.v_data[b], q.bits) * vs[:, None, :]
@@ -150,8 +152,9 @@ def handwritten_logits(
             h = h + lin(o.transpose(0, 1).reshape(L, H * D), a.o_proj)
             x = rms(h, block.post_attention_layernorm.weight)
             m = block.mlp
-            h = h + lin(torch.nn.functional.silu(lin(x, m.gate_proj)) * lin(x, m.up_proj),
-                        m.down_proj)  # fmt: skip
+            h = h + lin(
+                torch.nn.functional.silu(lin(x, m.gate_proj)) * lin(x, m.up_proj), m.down_proj
+            )
         return rms(h, model.norm.weight) @ model.lm_head.weight.double().T  # [L, V]
 
     B, T = ids.shape
@@ -164,8 +167,9 @@ def handwritten_logits(
             seg = cache.segments[i]
             k, v = _stored_kv(seg, b, Hk, D)
             valid = seg.valid[b]
-            assert int(seg.context_tokens[b]) == s and bool((seg.positions is None) or (
-                seg.positions[b][valid] < s).all())
+            assert int(seg.context_tokens[b]) == s and bool(
+                (seg.positions is None) or (seg.positions[b][valid] < s).all()
+            )
             bias = torch.where(valid, seg.counts[b].double().clamp_min(1).log(), -math.inf)
             return k, v, bias
 
@@ -367,12 +371,24 @@ def test_sample_splits_data_random_padding_and_determinism() -> None:
 
 
 # ------------------------------------------------------------------ config
-@pytest.mark.parametrize("field,value", [
-    ("method", "svd"), ("split", "middle"), ("loss_on", "prompt"), ("min_context", 0),
-    ("kl_weight", -1.0), ("kl_temperature", 0.0), ("curriculum_steps", -5),
-    ("preset", "nope"), ("enabled", "yes"), ("unicache", {"target_rate": 2.0}),
-    ("unicache", {"quantize": {"bits": 3}}), ("unicache", {"no_such_step": {}}), ("unicache", 0.6),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("method", "svd"),
+        ("split", "middle"),
+        ("loss_on", "prompt"),
+        ("min_context", 0),
+        ("kl_weight", -1.0),
+        ("kl_temperature", 0.0),
+        ("curriculum_steps", -5),
+        ("preset", "nope"),
+        ("enabled", "yes"),
+        ("unicache", {"target_rate": 2.0}),
+        ("unicache", {"quantize": {"bits": 3}}),
+        ("unicache", {"no_such_step": {}}),
+        ("unicache", 0.6),
+    ],
+)
 def test_bad_compress_values_raise(field: str, value) -> None:
     # The message names the field; UniCache errors name the UniCache field (target_rate, bits).
     expected = {"unicache": r"UniCacheConfig|QuantizeConfig|compress\.unicache"}.get(field, field)
@@ -432,13 +448,15 @@ def test_tiny_fit_with_compression_logs_metrics(tmp_path: Path) -> None:
         ),
         logging=LoggingConfig(logger="csv"),
         monitor=MonitorConfig(gain=False, compress_every_n_steps=1),
-        compress=CompressionTrainConfig.from_dict(dict(
-            enabled=True,
-            preset="text_style_baseline",
-            unicache={"target_rate": 0.6},
-            curriculum_steps=2,
-            kl_weight=0.1,
-        )),
+        compress=CompressionTrainConfig.from_dict(
+            dict(
+                enabled=True,
+                preset="text_style_baseline",
+                unicache={"target_rate": 0.6},
+                curriculum_steps=2,
+                kl_weight=0.1,
+            )
+        ),
     )
     trainer = fit(cfg)
     assert trainer.global_step == 4
@@ -485,8 +503,13 @@ def test_identity_segment_takes_causal_kernel_with_the_masked_path_result(
     torch.manual_seed(0)
     extra = {}
     if attention_type == "mla":
-        extra = dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8,
-                     qk_rope_head_dim=8, v_head_dim=8)
+        extra = dict(
+            attention_type="mla",
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+        )
     model = Decoder(tiny_model_config(**extra)).eval()
     ids = torch.randint(0, 64, (3, 40))
     split = torch.tensor([10, 25, 39])
@@ -511,8 +534,13 @@ def test_per_sample_segment_attention_equals_batched_masked(
     torch.manual_seed(0)
     extra = {}
     if attention_type == "mla":
-        extra = dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8,
-                     qk_rope_head_dim=8, v_head_dim=8)
+        extra = dict(
+            attention_type="mla",
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+        )
     model = Decoder(tiny_model_config(**extra))
     ids = torch.randint(0, 64, (4, 40))
     split = torch.tensor([12, 25, 39, 40])
@@ -539,9 +567,19 @@ def test_plain_loop_and_lightning_module_share_the_inloop_objective() -> None:
     m = module(unicache=unicache(0.6, 8).to_dict(), min_context=8)
     loss, _, per_layer = m.compressed_loss(b, step=0)
     assert sum(float(s["rate_realized"]) for s in per_layer) > 0  # compression ran
-    res = train_steps(m.model, iter([b]), 1, 0.0, 0, m.config.train, compressor=m.compressor,
-                      min_context=8, seed=m.config.compress.seed)  # fmt: skip
+    res = train_steps(
+        m.model,
+        iter([b]),
+        1,
+        0.0,
+        0,
+        m.config.train,
+        compressor=m.compressor,
+        min_context=8,
+        seed=m.config.compress.seed,
+    )
     assert abs(res.losses[0] - loss.item()) < 1e-6
-    cont = continuation_mask(sample_splits(b["labels"], b["split"], min_context=8,
-                                           generator=step_generator(0, 0)), 40)  # fmt: skip
+    cont = continuation_mask(
+        sample_splits(b["labels"], b["split"], min_context=8, generator=step_generator(0, 0)), 40
+    )
     assert res.tokens == int((cont & (b["labels"] != -100)).sum())

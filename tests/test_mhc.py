@@ -32,8 +32,9 @@ def _one_thread():
 
 
 def tiny(**kw) -> ModelConfig:
-    return tiny_model_config(**{"hidden_size": HIDDEN, "intermediate_size": 48,
-                                "hc_mult": N_STREAMS, **kw})  # fmt: skip
+    return tiny_model_config(
+        **{"hidden_size": HIDDEN, "intermediate_size": 48, "hc_mult": N_STREAMS, **kw}
+    )
 
 
 def close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> float:

@@ -36,9 +36,14 @@ def plain_model(hc_eps: float, seed: int = 0) -> Decoder:
     """A tiny plain-residual decoder with O(1) activations: every matrix ~ N(0, 1/fan_in)."""
     torch.manual_seed(seed)
     config = ModelConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, hc_eps=hc_eps,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hc_eps=hc_eps,
+    )
     model = Decoder(config).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -126,19 +131,26 @@ def test_init_identity_chain_matches_the_row_sums():
         c = hc.coefficients(x)
     rows = c.res.double().sum(-1)  # [1, 3, n]
     assert math.isclose(out, 0.75 * float(rows.mean()), rel_tol=1e-12)
-    torch.testing.assert_close(c.pre.sum(-1).double(), torch.full((1, 3), 1 / 0.75,
-                               dtype=torch.float64), rtol=3e-7, atol=0)  # fmt: skip
-    torch.testing.assert_close(c.post.double(), torch.full_like(c.post.double(), out),
-                               rtol=1e-7, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        c.pre.sum(-1).double(), torch.full((1, 3), 1 / 0.75, dtype=torch.float64), rtol=3e-7, atol=0
+    )
+    torch.testing.assert_close(
+        c.post.double(), torch.full_like(c.post.double(), out), rtol=1e-7, atol=0
+    )
     assert (hc.scale == 0).all()
 
 
 @pytest.mark.parametrize("carry", [0.0, -1.0, float("nan"), float("inf"), 2.5])
 def test_init_identity_rejects_out_of_range_carry(carry):
     config = ModelConfig(
-        vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
-        residual_mode="mhc", hc_mult=N_STREAMS, hc_init="identity",
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        residual_mode="mhc",
+        hc_mult=N_STREAMS,
+        hc_init="identity",
+    )
     with pytest.raises(ValueError, match="carry"):
         HyperConnection(config).init_identity(carry)
     if carry != 2.5:  # the head takes any positive carry with 1/(n carry) > eps

@@ -463,9 +463,15 @@ def test_2norm_rope_selection_picks_the_ladder_of_largest_q_k_norms():
     from unicache_train.model.convert_mla import convert_to_mla_with_report
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      initializer_range=0.2)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+    )
     src = Decoder(cfg).eval()
     D, F = cfg.head_size, cfg.head_size // 2  # 8, 4
     with torch.no_grad():  # frequency 3 (coordinates 3 and 7) loud in every head
@@ -474,9 +480,13 @@ def test_2norm_rope_selection_picks_the_ladder_of_largest_q_k_norms():
                 w.view(-1, D, 32)[:, [3, 3 + F]] *= 6.0
     ids = torch.randint(0, VOCAB, (4, 16))
     inputs = {}
-    hooks = [layer.self_attn.register_forward_pre_hook(
-        lambda _m, args, kwargs, i=i: inputs.__setitem__(i, (args[0] if args else kwargs["x"])),
-        with_kwargs=True) for i, layer in enumerate(src.layers)]  # fmt: skip
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda _m, args, kwargs, i=i: inputs.__setitem__(i, (args[0] if args else kwargs["x"])),
+            with_kwargs=True,
+        )
+        for i, layer in enumerate(src.layers)
+    ]
     with torch.no_grad():
         src(ids)
     for h in hooks:
@@ -493,8 +503,9 @@ def test_2norm_rope_selection_picks_the_ladder_of_largest_q_k_norms():
     kept = 2  # Dr = 4
     strides = range(1, (F - 1) // (kept - 1) + 1)
     want = max(strides, key=lambda s: float(score[torch.arange(kept) * s].sum()))
-    _, report = convert_to_mla_with_report(src, ids, kv_lora_rank=8, qk_rope_head_dim=4,
-                                           rope_selection="2norm")  # fmt: skip
+    _, report = convert_to_mla_with_report(
+        src, ids, kv_lora_rank=8, qk_rope_head_dim=4, rope_selection="2norm"
+    )
     assert report.rope_stride == want == 3 and report.kept_frequencies == [0, 3]
     with pytest.raises(ValueError, match="rope_selection='best'.*weighted"):
         convert_to_mla_with_report(src, ids, 8, 4, rope_selection="best")

@@ -33,16 +33,26 @@ def mla_model(seed: int = 0) -> Decoder:
     # initializer_range 0.1: logits of std ~0.8 (|max| ~3), so 1e-5 is a real check.
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=4, attention_type="mla", kv_lora_rank=R,
-        qk_nope_head_dim=8, qk_rope_head_dim=DR, v_head_dim=12, rope_theta=500.0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attention_type="mla",
+        kv_lora_rank=R,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=DR,
+        v_head_dim=12,
+        rope_theta=500.0,
         initializer_range=0.1,
-    )  # fmt: skip
+    )
     return Decoder(cfg).eval()
 
 
-def unicache(rate: float, bits: int | None = None, granularity: str = "token_head",
-             head_merge: bool = True) -> UniCacheConfig:  # fmt: skip
+def unicache(
+    rate: float, bits: int | None = None, granularity: str = "token_head", head_merge: bool = True
+) -> UniCacheConfig:
     """Text-only data: the text-style preset removes ``rate`` of the context (no text cap)."""
     d = text_style_baseline().to_dict()
     d["target_rate"] = rate
@@ -107,8 +117,9 @@ def test_teacher_forced_decoding_equals_inloop_forward(case: str, monkeypatch) -
             per = 1 if q.bits == 8 else 2  # values per stored byte
             assert q.v_data.shape[-1] == -(-R // per) and q.k_data.shape[-1] == -(-DR // per)
     if case.startswith("xkv"):
-        assert all(seg.lowrank is not None and seg.lowrank.token_v is None
-                   for seg in cache.segments)  # fmt: skip
+        assert all(
+            seg.lowrank is not None and seg.lowrank.token_v is None for seg in cache.segments
+        )
 
 
 def test_greedy_generation_on_the_compressed_latent_cache_matches_inloop_argmax() -> None:
@@ -136,9 +147,9 @@ def _unpack_by_hand(data: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     return torch.where(both >= 8, both - 16, both)
 
 
-@pytest.mark.parametrize("bits,granularity",
-                         [(8, "token_head"), (4, "head"), (4, "token_head"),
-                          (4, "channel")])  # fmt: skip
+@pytest.mark.parametrize(
+    "bits,granularity", [(8, "token_head"), (4, "head"), (4, "token_head"), (4, "channel")]
+)
 def test_stored_latent_is_what_the_inloop_forward_attended_and_its_bytes(bits, granularity):
     """The packed bytes, dequantized by hand, are the in-loop segment's keys, and their first R
     features its values (one quantization of the latent, c_kv and k_pe with their own scales);
@@ -158,20 +169,23 @@ def test_stored_latent_is_what_the_inloop_forward_attended_and_its_bytes(bits, g
     def by_hand(data, scale, w):
         ints = _unpack_by_hand(data, bits, w).double()  # [B, 1, M, w]
         scale = scale.double()
-        scale = {"token_head": lambda: scale[..., None], "channel": lambda: scale[:, :, None, :],
-                 "head": lambda: scale[:, :, None, None]}[granularity]()  # fmt: skip
+        scale = {
+            "token_head": lambda: scale[..., None],
+            "channel": lambda: scale[:, :, None, :],
+            "head": lambda: scale[:, :, None, None],
+        }[granularity]()
         return ints * torch.where(scale > 0, scale, 1.0)
 
     for layer, st in enumerate(out.compression_stats):
         inloop, stored = rec.segments[layer], cache.segments[layer]
         assert inloop.latent and torch.equal(inloop.values, inloop.keys[..., :R])
         q = stored.quant
-        latent = torch.cat([by_hand(q.v_data, q.v_scale, R), by_hand(q.k_data, q.k_scale, DR)],
-                           -1)  # fmt: skip
+        latent = torch.cat([by_hand(q.v_data, q.v_scale, R), by_hand(q.k_data, q.k_scale, DR)], -1)
         vm = inloop.valid[:, None, :, None]
         torch.testing.assert_close(latent * vm, inloop.keys.double() * vm, atol=0, rtol=0)
-        torch.testing.assert_close(latent[..., :R] * vm, inloop.values.double() * vm,
-                                   atol=0, rtol=0)  # fmt: skip
+        torch.testing.assert_close(
+            latent[..., :R] * vm, inloop.values.double() * vm, atol=0, rtol=0
+        )
         n = int(stored.valid.sum())  # entries kept over the batch
         payload = width if bits == 8 else math.ceil(R / 2) + math.ceil(DR / 2)
         samples = int((stored.valid.sum(1) > 0).sum())  # samples with entries
@@ -197,9 +211,14 @@ def test_merging_a_latent_keeps_values_the_keys_first_features() -> None:
     t = torch.arange(T).expand(B, T)
     target = torch.where(t % 3 == 1, t - 1, t)  # every third token merged into its left one
     kept = target == t
-    plan = TokenPlan(kept=kept, merged=~kept, evicted=torch.zeros_like(kept), target=target,
-                     requested=torch.zeros(B, 3, dtype=torch.long),
-                     shortfall=torch.zeros(B, 3, dtype=torch.long))  # fmt: skip
+    plan = TokenPlan(
+        kept=kept,
+        merged=~kept,
+        evicted=torch.zeros_like(kept),
+        target=target,
+        requested=torch.zeros(B, 3, dtype=torch.long),
+        shortfall=torch.zeros(B, 3, dtype=torch.long),
+    )
     scores = torch.randn(B, T, generator=g)
     for rule in ("k", "kv", "none"):
         k, v, counts = merge_tokens(keys, c, plan, scores, ctx, rule, latent=True)
@@ -219,8 +238,14 @@ def test_kv_bytes_report_against_the_source_gqa_cache() -> None:
     comp = UniCacheCompressor(unicache(0.6, 4))
     gen = generate_compressed(model, ids, split, comp, max_new_tokens=2)
     # A GQA source of the same depth: 2 KV heads of width 16, K and V: 128 bytes / token / layer.
-    source = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2)
+    source = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     report = kv_bytes_report(gen.cache, source=source)
     n = int(split.sum())
     assert report.source_bytes == LAYERS * n * 2 * 2 * 16 * 2
@@ -265,11 +290,16 @@ def test_a_loud_rope_key_does_not_flatten_the_latent(bits):
     k_pe = 50 * torch.randn(B, 1, T, DR, generator=g)
     keys = torch.cat([c_kv, k_pe], -1)
     inp = CompressionInput(
-        layer_idx=0, num_layers=1, queries=torch.randn(B, 2, T, R + DR, generator=g), keys=keys,
-        values=keys[..., :R], positions=torch.arange(T).expand(B, T),
+        layer_idx=0,
+        num_layers=1,
+        queries=torch.randn(B, 2, T, R + DR, generator=g),
+        keys=keys,
+        values=keys[..., :R],
+        positions=torch.arange(T).expand(B, T),
         modality_ids=torch.zeros(B, T, dtype=torch.long),
-        context_mask=torch.ones(B, T, dtype=torch.bool), latent=True,
-    )  # fmt: skip
+        context_mask=torch.ones(B, T, dtype=torch.bool),
+        latent=True,
+    )
     state = Quantize(bits=bits)(CompressionState.from_input(inp, 0.0))
     seg = state.segment
     qmax = 2 ** (bits - 1) - 1

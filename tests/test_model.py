@@ -15,11 +15,17 @@ def _llama_pair(tie: bool):
 
     cfg = tiny(tie_word_embeddings=tie, rope_theta=500.0)
     hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=tie,
-        attention_bias=False, max_position_embeddings=256,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=tie,
+        attention_bias=False,
+        max_position_embeddings=256,
     )
     torch.manual_seed(0)
     hf = LlamaForCausalLM(hf_cfg).eval()
@@ -107,9 +113,14 @@ def test_seam_drops_context_for_continuation_only():
         pre_rope = False
 
         def __call__(self, inp):
-            return KVSegment(inp.keys, inp.values, inp.positions, inp.modality_ids,
-                             torch.ones_like(inp.positions, dtype=inp.keys.dtype),
-                             torch.zeros_like(inp.context_mask))
+            return KVSegment(
+                inp.keys,
+                inp.values,
+                inp.positions,
+                inp.modality_ids,
+                torch.ones_like(inp.positions, dtype=inp.keys.dtype),
+                torch.zeros_like(inp.context_mask),
+            )
 
     torch.manual_seed(0)
     model = Decoder(tiny())
@@ -127,8 +138,9 @@ def test_inputs_embeds_and_modality_ids():
     ids = torch.randint(0, 97, (2, 10))
     emb = model.embed_tokens(ids)
     mods = torch.randint(0, 3, (2, 10))
-    torch.testing.assert_close(model(inputs_embeds=emb, modality_ids=mods).logits,
-                               model(ids).logits)
+    torch.testing.assert_close(
+        model(inputs_embeds=emb, modality_ids=mods).logits, model(ids).logits
+    )
     with pytest.raises(ValueError, match="exactly one"):
         model(ids, inputs_embeds=emb)
     with pytest.raises(ValueError, match="split and compressor"):

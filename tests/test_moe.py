@@ -26,13 +26,28 @@ VOCAB = 97
 def moe_config(**kw) -> ModelConfig:
     """3 layers (layer 0 dense), 8 experts in 4 groups, top-2 within the best 2 groups."""
     base = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, attention_type="mla", kv_lora_rank=16,
-        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, rope_theta=500.0,
-        initializer_range=0.2, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-        moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attention_type="mla",
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        rope_theta=500.0,
+        initializer_range=0.2,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
         routed_scaling_factor=2.5,
-    )  # fmt: skip
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -41,14 +56,31 @@ def _hf_deepseek_moe(norm_topk_prob: bool, q_lora_rank=None):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     hf_cfg = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-        v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=norm_topk_prob,
-        routed_scaling_factor=2.5, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        max_position_embeddings=128, num_mtp_layers=0, initializer_range=0.2,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=norm_topk_prob,
+        routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        max_position_embeddings=128,
+        num_mtp_layers=0,
+        initializer_range=0.2,
+    )
     torch.manual_seed(0)
     hf = DeepseekV3ForCausalLM(hf_cfg).eval()
     with torch.no_grad():
@@ -196,8 +228,9 @@ def _reference_route(x, weight, bias, k, n_group, topk_group, norm, scale):
     per_group = E // n_group
     out = []
     for t in range(x.shape[0]):
-        s = [1.0 / (1.0 + torch.exp(-(weight[e].double() @ x[t].double())).item())
-             for e in range(E)]  # fmt: skip
+        s = [
+            1.0 / (1.0 + torch.exp(-(weight[e].double() @ x[t].double())).item()) for e in range(E)
+        ]
         c = [s[e] + float(bias[e]) for e in range(E)]
         groups = []
         for g in range(n_group):
@@ -219,9 +252,16 @@ def _reference_route(x, weight, bias, k, n_group, topk_group, norm, scale):
     [(8, 2, 4, 2, True), (16, 3, 4, 1, False), (6, 2, 1, 1, True), (8, 4, 2, 1, True)],
 )
 def test_router_matches_per_token_reference(E, k, n_group, topk_group, norm):
-    config = moe_config(n_routed_experts=E, num_experts_per_tok=k, n_group=n_group,
-                        topk_group=topk_group, norm_topk_prob=norm, hidden_size=16,
-                        num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    config = moe_config(
+        n_routed_experts=E,
+        num_experts_per_tok=k,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=norm,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(1)
     router = Router(config)
     router.reset_parameters(0.5)
@@ -229,8 +269,9 @@ def test_router_matches_per_token_reference(E, k, n_group, topk_group, norm):
         router.e_score_correction_bias.normal_(0, 0.3)
     x = torch.randn(64, 16)
     out = router(x)
-    ref = _reference_route(x, router.weight, router.e_score_correction_bias, k, n_group,
-                           topk_group, norm, 2.5)  # fmt: skip
+    ref = _reference_route(
+        x, router.weight, router.e_score_correction_bias, k, n_group, topk_group, norm, 2.5
+    )
     for t in range(x.shape[0]):
         got = dict(zip(out.indices[t].tolist(), out.weights[t].tolist()))
         assert got.keys() == ref[t].keys(), t
@@ -240,14 +281,16 @@ def test_router_matches_per_token_reference(E, k, n_group, topk_group, norm):
     plain = _reference_route(x, router.weight, torch.zeros(E), k, n_group, topk_group, norm, 2.5)
     assert any(p.keys() != r.keys() for p, r in zip(plain, ref))
     if topk_group < n_group:
-        free = _reference_route(x, router.weight, router.e_score_correction_bias, k, 1, 1, norm,
-                                2.5)  # fmt: skip
+        free = _reference_route(
+            x, router.weight, router.e_score_correction_bias, k, 1, 1, norm, 2.5
+        )
         assert any(f.keys() != r.keys() for f, r in zip(free, ref))
 
 
 def test_experts_match_per_token_reference_and_every_weight_gets_a_gradient():
-    config = moe_config(hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
-                        moe_intermediate_size=8)  # fmt: skip
+    config = moe_config(
+        hidden_size=16, num_attention_heads=2, num_key_value_heads=2, moe_intermediate_size=8
+    )
     torch.manual_seed(2)
     moe = MoE(config)
     moe.reset_parameters(0.3)
@@ -316,8 +359,9 @@ def test_training_forwards_count_loads_and_the_bias_moves_by_sign():
 def test_bias_updates_balance_a_skewed_router():
     """A router that sends most tokens to experts 0 and 1 is pulled to balance by the bias
     updates alone (at rate 0 it stays skewed)."""
-    config = moe_config(hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
-                        n_group=1, topk_group=1)  # fmt: skip
+    config = moe_config(
+        hidden_size=16, num_attention_heads=2, num_key_value_heads=2, n_group=1, topk_group=1
+    )
     x = torch.randn(256, 16, generator=torch.Generator().manual_seed(5)).abs()
 
     def ratios(rate: float) -> list[float]:
@@ -380,23 +424,44 @@ def test_mhc_moe_trains_balances_and_exports_through_remote_code(tmp_path):
     from unicache_train.train.run import fit
 
     model_cfg = ModelConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, residual_mode="mhc", hc_mult=2, hc_sinkhorn_iters=5,
-        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
-        moe_intermediate_size=16, first_k_dense_replace=1, routed_scaling_factor=1.5,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        residual_mode="mhc",
+        hc_mult=2,
+        hc_sinkhorn_iters=5,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
         router_bias_update_rate=0.01,
-    )  # fmt: skip
+    )
     config = RunConfig(
         model=model_cfg,
-        data=DataConfig(seq_len=32, batch_size=4,
-                        synthetic=SyntheticDataConfig(num_stories=40, num_recall=40)),
-        train=TrainConfig(max_steps=12, lr=1e-2, warmup_steps=2, val_every_n_steps=1000,
-                          limit_val_batches=1, checkpoint_every_n_steps=1000, accelerator="cpu",
-                          devices=1, out_dir=str(tmp_path / "run"), progress_bar=False,
-                          log_every_n_steps=1),
+        data=DataConfig(
+            seq_len=32, batch_size=4, synthetic=SyntheticDataConfig(num_stories=40, num_recall=40)
+        ),
+        train=TrainConfig(
+            max_steps=12,
+            lr=1e-2,
+            warmup_steps=2,
+            val_every_n_steps=1000,
+            limit_val_batches=1,
+            checkpoint_every_n_steps=1000,
+            accelerator="cpu",
+            devices=1,
+            out_dir=str(tmp_path / "run"),
+            progress_bar=False,
+            log_every_n_steps=1,
+        ),
         logging=LoggingConfig(logger="csv"),
         monitor=MonitorConfig(gain=False, plots=False),
-    )  # fmt: skip
+    )
 
     import lightning as L
 
@@ -430,9 +495,18 @@ def test_mhc_moe_trains_balances_and_exports_through_remote_code(tmp_path):
         hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
         torch.testing.assert_close(hf(ids, use_cache=False).logits, ours, atol=1e-5, rtol=1e-5)
     back, back_cfg = import_hf(out)
-    for name in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-                 "moe_intermediate_size", "first_k_dense_replace", "n_group", "topk_group",
-                 "norm_topk_prob", "routed_scaling_factor", "hc_mult"):  # fmt: skip
+    for name in (
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "n_shared_experts",
+        "moe_intermediate_size",
+        "first_k_dense_replace",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
+        "routed_scaling_factor",
+        "hc_mult",
+    ):
         assert getattr(back_cfg, name) == getattr(model.config, name), name
     for k, v in model.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k

@@ -55,11 +55,19 @@ def test_composite_gain_bounded_for_doubly_stochastic_not_for_unconstrained():
 
 def test_compression_metric_names():
     per_layer = [
-        {"kv_bytes": torch.tensor(100.0), "kv_reduction": torch.tensor(4.0),
-         "rate_realized": 0.6, "rate_realized/vision": 0.7},
-        {"kv_bytes": torch.tensor(300.0), "kv_reduction": torch.tensor(2.0),
-         "rate_realized": 0.4, "rate_realized/vision": 0.5},
-    ]  # fmt: skip
+        {
+            "kv_bytes": torch.tensor(100.0),
+            "kv_reduction": torch.tensor(4.0),
+            "rate_realized": 0.6,
+            "rate_realized/vision": 0.7,
+        },
+        {
+            "kv_bytes": torch.tensor(300.0),
+            "kv_reduction": torch.tensor(2.0),
+            "rate_realized": 0.4,
+            "rate_realized/vision": 0.5,
+        },
+    ]
     m = compression_metrics(per_layer)
     # The whole cache's reduction (400 + 600 uncompressed bytes / 400 stored), not the mean.
     assert m["compress/kv_reduction"] == pytest.approx(2.5)
@@ -74,16 +82,30 @@ def test_compression_metric_names():
 
 
 def tiny_run(out: Path, logger: str, **model) -> RunConfig:
-    mc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-              num_key_value_heads=1)
+    mc = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     mc.update(model)
     return RunConfig(
         model=ModelConfig(**mc),
-        data=DataConfig(seq_len=32, batch_size=4,
-                        synthetic=SyntheticDataConfig(num_stories=60, num_recall=60)),
-        train=TrainConfig(max_steps=6, warmup_steps=1, val_every_n_steps=6, limit_val_batches=1,
-                          checkpoint_every_n_steps=6, accelerator="cpu", out_dir=str(out),
-                          progress_bar=False, log_every_n_steps=1),
+        data=DataConfig(
+            seq_len=32, batch_size=4, synthetic=SyntheticDataConfig(num_stories=60, num_recall=60)
+        ),
+        train=TrainConfig(
+            max_steps=6,
+            warmup_steps=1,
+            val_every_n_steps=6,
+            limit_val_batches=1,
+            checkpoint_every_n_steps=6,
+            accelerator="cpu",
+            out_dir=str(out),
+            progress_bar=False,
+            log_every_n_steps=1,
+        ),
         logging=LoggingConfig(logger=logger, name="monitor-test", tags=["test"]),
         monitor=MonitorConfig(gain_every_n_steps=2),
     )
@@ -103,8 +125,13 @@ def test_gain_monitor_logs_per_layer_and_composite_gain_for_mhc(tmp_path):
     rows = [r for r in _csv_rows(tmp_path) if r.get("mhc/composite_fwd")]
     assert len(rows) == 3  # steps 0, 2, 4
     for r in rows:
-        for key in ("gain/fwd_layer_00", "gain/bwd_layer_02", "gain/amax_fwd",
-                    "mhc/composite_bwd", "mhc/sinkhorn_residual"):
+        for key in (
+            "gain/fwd_layer_00",
+            "gain/bwd_layer_02",
+            "gain/amax_fwd",
+            "mhc/composite_bwd",
+            "mhc/sinkhorn_residual",
+        ):
             assert math.isfinite(float(r[key])), key
         # doubly-stochastic mixes: the composite over 6 connections stays ~1
         assert float(r["mhc/composite_fwd"]) < 1.05
@@ -116,8 +143,9 @@ def test_gain_monitor_logs_per_layer_and_composite_gain_for_mhc(tmp_path):
 def test_gain_threshold_warns_once_per_layer_and_can_stop(tmp_path, caplog):
     # A band of 1.000001 around the baseline (the first check): every later change violates.
     cfg = tiny_run(tmp_path, "none")
-    cfg.monitor = MonitorConfig(gain_every_n_steps=1, gain_threshold=1.000001,
-                                gain_baseline_checks=1, gain_stop_after=2)
+    cfg.monitor = MonitorConfig(
+        gain_every_n_steps=1, gain_threshold=1.000001, gain_baseline_checks=1, gain_stop_after=2
+    )
     with caplog.at_level(logging.WARNING, "unicache_train.monitor.callbacks"):
         trainer = fit(cfg)
     assert trainer.global_step == 3  # baseline at step 0, violations at 1 and 2: stop
@@ -170,8 +198,13 @@ def test_logged_forward_gains_are_the_training_forwards_with_kl():
     # gains must be the training forward's: equal to a step without the KL term (same split,
     # same compressed forward), not the reference forward's.
     cfg = RunConfig(
-        model=ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                          num_attention_heads=2, num_key_value_heads=1),
+        model=ModelConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
         compress=CompressionTrainConfig(enabled=True, min_context=8),
     )
     torch.manual_seed(0)

@@ -105,11 +105,17 @@ def test_monitor_arguments_are_validated(kwargs, message):
 
 
 def test_config_fields_are_validated():
-    with pytest.raises(ConfigError, match=r"MonitorConfig.gain_baseline_checks=0 is out of "
-                                          r"range; allowed \[1, inf\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"MonitorConfig.gain_baseline_checks=0 is out of "
+        r"range; allowed \[1, inf\)",
+    ):
         MonitorConfig(gain_baseline_checks=0)
-    with pytest.raises(ConfigError, match=r"MonitorConfig.gain_threshold=0.5 is out of range; "
-                                          r"allowed \(1, inf\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"MonitorConfig.gain_threshold=0.5 is out of range; "
+        r"allowed \(1, inf\)",
+    ):
         MonitorConfig(gain_threshold=0.5)
 
 

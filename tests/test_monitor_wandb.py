@@ -17,7 +17,7 @@ from unicache_train.train.run import fit
 
 # `wandb leet inspect` text of one history record, as wandb 0.31 prints it: an image logged
 # under `gain/plot` is one item per field, each keyed by the path (`gain/plot`, field).
-_LEET_TEXT = '''
+_LEET_TEXT = """
 # record 3: history
 num:  3
 history:  {
@@ -55,7 +55,7 @@ summary:  {
     value_json:  "9.0"
   }
 }
-'''
+"""
 
 
 def test_nested_keys_come_back_nested():

@@ -31,10 +31,21 @@ P = 16  # 32 x 32 images, 8 x 8 patches
 
 def tiny_vlm(seed: int = 0, layers: int = 3) -> VisionLanguageModel:
     torch.manual_seed(seed)
-    cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    vis = VisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=1, num_attention_heads=2)  # fmt: skip
+    cfg = ModelConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    vis = VisionConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
     return VisionLanguageModel(cfg, vis)
 
 
@@ -81,8 +92,9 @@ def test_matrix_multimodal_seam(method: str) -> None:
     emb, mod, split = multimodal_batch(model)
     cfg = METHODS[method]()
     mc = model.config
-    rec = Recorder(_compressor(method, cfg, mc.num_key_value_heads, mc.head_size,
-                               mc.num_hidden_layers))  # fmt: skip
+    rec = Recorder(
+        _compressor(method, cfg, mc.num_key_value_heads, mc.head_size, mc.num_hidden_layers)
+    )
     out = model(inputs_embeds=emb, modality_ids=mod, split=split, compressor=rec)
     assert len(rec.calls) == model.config.num_hidden_layers
     for inp, seg, state in rec.calls:
@@ -144,7 +156,8 @@ def test_global_normalization_pushes_visual_tokens_out_of_a_pooled_budget() -> N
         cfg = UniCacheConfig.from_dict(cfg.to_dict())
         rec = Recorder(UniCacheCompressor(cfg))
         model(inputs_embeds=emb, modality_ids=mod, split=split, compressor=rec)
-        removed[normalize] = float(torch.stack([s.modality_rates[:, 1] for _, _, s in rec.calls])
-                                   .mean())  # fmt: skip
+        removed[normalize] = float(
+            torch.stack([s.modality_rates[:, 1] for _, _, s in rec.calls]).mean()
+        )
     assert not math.isnan(removed["global"])
     assert removed["global"] > removed["modality"]

@@ -55,6 +55,7 @@ STEPS = 4
 LOSS_ATOL = 1e-4
 RESUME_ATOL = 1e-4
 
+
 def overrides(out_dir: Path, *extra: str, batch_size: int = 4) -> list[str]:
     return run_overrides(out_dir, *extra, batch_size=batch_size, steps=STEPS, checkpoint_every=2)
 
@@ -66,7 +67,8 @@ def two_nodes(tmp_path_factory) -> dict:
     codes = launch_nodes(record, overrides(out / "run"), out)
     logs = {r: (out / f"node{r}.log").read_text() for r in range(2)}
     assert codes == [0, 0], f"exit codes {codes}\n" + "\n".join(
-        f"--- node {r} ---\n{text[-4000:]}" for r, text in logs.items())
+        f"--- node {r} ---\n{text[-4000:]}" for r, text in logs.items()
+    )
     return {"out": out / "run", "record": record, "logs": logs}
 
 
@@ -110,8 +112,7 @@ def test_two_node_checkpoint_resumes_on_one_process(two_nodes, tmp_path):
     continues the 2-node loss curve (steps 2 and 3)."""
     start = two_nodes["out"] / "checkpoints" / "step000002.ckpt"
     record = tmp_path / "record.jsonl"
-    proc = fabric_run(1, record, overrides(tmp_path / "run", f"train.resume={start}",
-                                           batch_size=8))
+    proc = fabric_run(1, record, overrides(tmp_path / "run", f"train.resume={start}", batch_size=8))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "written by 2 ranks; this run has 1" in proc.stdout + proc.stderr  # re-sharded
     assert has_universal_checkpoint(start) and zero_world_size(start) == 2  # shards untouched
@@ -151,7 +152,8 @@ def test_universal_copy_is_exact_reused_and_rebuilt_after_a_kill(two_nodes):
     assert has_universal_checkpoint(ckpt) and not (ckpt / "universal.tmp").exists()
     assert (zero / "optimizer_state.pt").stat().st_mtime_ns != stamp
     # DeepSpeed unpickles these files in full; one that would call code is refused first.
-    torch.save({"param": torch.zeros(1), "hook": _Callable()}, zero / "model.norm.weight" /
-               "exp_avg.pt")
+    torch.save(
+        {"param": torch.zeros(1), "hook": _Callable()}, zero / "model.norm.weight" / "exp_avg.pt"
+    )
     with pytest.raises(UnsafeCheckpointError, match="exp_avg.pt"):
         to_universal_checkpoint(ckpt)

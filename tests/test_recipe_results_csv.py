@@ -41,8 +41,10 @@ def test_command_line_names_the_recipe_and_its_arguments(monkeypatch, omp) -> No
 def test_finetune_compress_csv_leads_with_the_command(tmp_path) -> None:
     from unicache_train.recipe import write_results_csv
 
-    rows = [{"model": "uncompressed (base)", "ppl": 1.5},
-            {"model": "base + compressed", "ppl": 1.6}]
+    rows = [
+        {"model": "uncompressed (base)", "ppl": 1.5},
+        {"model": "base + compressed", "ppl": 1.6},
+    ]
     out = tmp_path / "sub" / "t.csv"
     write_results_csv(out, rows, "python recipes/finetune_compress.py x.y=1", 503.4)
     comments, back = _read(out)
@@ -57,10 +59,16 @@ def test_convert_to_mla_csv_has_one_row_per_model() -> None:
     recipe = _recipe("convert_to_mla")
     result = {
         "kv_elements_per_token_per_layer": {"gqa": 128, "mla": 32, "reduction": 4.0},
-        "ppl": {"source": 2.0, "mla svd": 3.0, "mla random": 5.0, "mla random + heal": 4.0,
-                "mla svd + heal": 2.2, "source + heal": 1.8},
+        "ppl": {
+            "source": 2.0,
+            "mla svd": 3.0,
+            "mla random": 5.0,
+            "mla random + heal": 4.0,
+            "mla svd + heal": 2.2,
+            "source + heal": 1.8,
+        },
         "wall_seconds": 12.0,
-    }  # fmt: skip
+    }
     rows = recipe.csv_rows(result)
     by = {r["model"]: r for r in rows}
     assert list(by) == list(result["ppl"])
@@ -76,12 +84,21 @@ def test_convert_to_mla_csv_has_one_row_per_model() -> None:
 
 def test_convert_to_mla_writes_its_csv(tmp_path) -> None:
     recipe = _recipe("convert_to_mla")
-    cfg = recipe.RecipeConfig.load(RECIPES / "convert_to_mla.yaml", [
-        "run.train.max_steps=1", "run.data.seq_len=32", "run.data.batch_size=2",
-        "run.data.synthetic.num_stories=20", "run.data.synthetic.num_recall=0",
-        "convert.heal_steps=1", "convert.calib_batches=1", "convert.eval_batches=1",
-        "convert.export=false", f"convert.out_dir={tmp_path}",
-    ])  # fmt: skip
+    cfg = recipe.RecipeConfig.load(
+        RECIPES / "convert_to_mla.yaml",
+        [
+            "run.train.max_steps=1",
+            "run.data.seq_len=32",
+            "run.data.batch_size=2",
+            "run.data.synthetic.num_stories=20",
+            "run.data.synthetic.num_recall=0",
+            "convert.heal_steps=1",
+            "convert.calib_batches=1",
+            "convert.eval_batches=1",
+            "convert.export=false",
+            f"convert.out_dir={tmp_path}",
+        ],
+    )
     result = recipe.main(cfg, command="python recipes/convert_to_mla.py convert.heal_steps=1")
     comments, back = _read(tmp_path / "convert_to_mla.csv")
     assert comments[0] == "# python recipes/convert_to_mla.py convert.heal_steps=1"

@@ -80,8 +80,14 @@ def test_overrides_flags_and_defaults(tmp_path: Path) -> None:
     sections = {"recipe": FinetuneOptions, **run_sections()}
     flags = {"--checkpoint": "recipe.base_checkpoint"}
     defaults = {"recipe": {"num_recall": 1, "limit_batches": 3}}
-    data = parse_recipe_args(["--checkpoint=a.ckpt", "train.lr=2e-4"], yaml, sections,
-                             doc=None, flags=flags, defaults=defaults)  # fmt: skip
+    data = parse_recipe_args(
+        ["--checkpoint=a.ckpt", "train.lr=2e-4"],
+        yaml,
+        sections,
+        doc=None,
+        flags=flags,
+        defaults=defaults,
+    )
     # the YAML over the recipe's defaults, the command line over both
     assert data["recipe"] == {"num_recall": 5, "limit_batches": 3, "base_checkpoint": "a.ckpt"}
     assert data["train"] == {"lr": 2e-4}
@@ -107,8 +113,12 @@ def test_overrides_flags_and_defaults(tmp_path: Path) -> None:
 
 def test_finetune_recipes_take_pretrain_overrides(monkeypatch, tmp_path: Path) -> None:
     fc = _recipe("finetune_compress")
-    argv = [f"train.out_dir={tmp_path}", "pretrain.train.max_steps=7",
-            "pretrain.train.out_dir=elsewhere", "logging.logger=csv"]  # fmt: skip
+    argv = [
+        f"train.out_dir={tmp_path}",
+        "pretrain.train.max_steps=7",
+        "pretrain.train.out_dir=elsewhere",
+        "logging.logger=csv",
+    ]
     options, ft = fc.parse_args(argv)
     assert options.pretrain == {"train": {"max_steps": 7, "out_dir": "elsewhere"}}
     assert Path(options.pretrain_config) == RECIPES / "pretrain_tiny.yaml"
@@ -128,8 +138,16 @@ def test_cli_vlm_reads_the_vlm_recipe_yaml(capsys) -> None:
     from unicache_train.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["vlm", "--config", str(RECIPES / "vlm_tiny.yaml"), "train.max_steps=7",
-              "compress.unicache.target_rate=0.5", "--print_config"])  # fmt: skip
+        main(
+            [
+                "vlm",
+                "--config",
+                str(RECIPES / "vlm_tiny.yaml"),
+                "train.max_steps=7",
+                "compress.unicache.target_rate=0.5",
+                "--print_config",
+            ]
+        )
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert re.search(r"^  max_steps: 7$", out, re.M) and "target_rate: 0.5" in out

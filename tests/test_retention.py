@@ -56,8 +56,7 @@ def module(**compress) -> LMModule:
 def batch(B: int = 4, T: int = 48, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 97, (B, T + 1), generator=g)
-    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:].clone(),
-            "split": torch.full((B,), 32)}  # fmt: skip
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:].clone(), "split": torch.full((B,), 32)}
 
 
 def kept(seg, b: int) -> list[int]:
@@ -253,8 +252,9 @@ def test_inference_selection_meets_the_byte_target_exactly_in_the_model() -> Non
         assert float(stats["budget_shortfall"]) == 0.0
         assert float(stats["kv_reduction"]) >= 8.0
         assert float((n * base_token).sum() / ((want_kept + 1) * per_token).sum()) < 8.0
-        torch.testing.assert_close(float(stats["retention_kept"]),
-                                   float((want_kept / n).mean()), rtol=0, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(
+            float(stats["retention_kept"]), float((want_kept / n).mean()), rtol=0, atol=1e-6
+        )
 
 
 # ------------------------------------------------------------------ Lightning
@@ -262,21 +262,40 @@ def test_tiny_fit_trains_the_policy_and_logs_its_metrics(tmp_path: Path) -> None
     from unicache_train.train.run import fit
 
     cfg = RunConfig(
-        model=ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1),  # fmt: skip
-        data=DataConfig(seq_len=96, batch_size=4, pack=False, val_fraction=0.2,
-                        synthetic=SyntheticDataConfig(num_stories=12, num_recall=12,
-                                                      recall_num_facts=3,
-                                                      recall_num_filler=0)),  # fmt: skip
-        train=TrainConfig(max_steps=3, warmup_steps=1, val_every_n_steps=3, limit_val_batches=1,
-                          checkpoint_every_n_steps=3, accelerator="cpu", devices=1,
-                          out_dir=str(tmp_path), progress_bar=False, log_every_n_steps=1),
+        model=ModelConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+        data=DataConfig(
+            seq_len=96,
+            batch_size=4,
+            pack=False,
+            val_fraction=0.2,
+            synthetic=SyntheticDataConfig(
+                num_stories=12, num_recall=12, recall_num_facts=3, recall_num_filler=0
+            ),
+        ),
+        train=TrainConfig(
+            max_steps=3,
+            warmup_steps=1,
+            val_every_n_steps=3,
+            limit_val_batches=1,
+            checkpoint_every_n_steps=3,
+            accelerator="cpu",
+            devices=1,
+            out_dir=str(tmp_path),
+            progress_bar=False,
+            log_every_n_steps=1,
+        ),
         logging=LoggingConfig(logger="csv"),
         monitor=MonitorConfig(gain=False, compress_every_n_steps=1),
         compress=CompressionTrainConfig.from_dict(
             {"enabled": True, "preset": "retention", "unicache": {"quantize": {"bits": 4}}}
         ),
-    )  # fmt: skip
+    )
     trainer = fit(cfg)
     assert trainer.global_step == 3
     rows = []
@@ -284,10 +303,16 @@ def test_tiny_fit_trains_the_policy_and_logs_its_metrics(tmp_path: Path) -> None
         with f.open() as fh:
             rows += list(csv.DictReader(fh))
     cols = {k for r in rows for k, v in r.items() if v not in (None, "")}
-    for name in ("train/aux_loss", "compress/aux_loss", "compress/retention_kept",
-                 "compress/retention_budget_loss", "compress/retention_kept/layer_00",
-                 "compress/retention_kept/layer_01", "compress/retention_budget_loss/layer_01",
-                 "val/ppl_compressed"):  # fmt: skip
+    for name in (
+        "train/aux_loss",
+        "compress/aux_loss",
+        "compress/retention_kept",
+        "compress/retention_budget_loss",
+        "compress/retention_kept/layer_00",
+        "compress/retention_kept/layer_01",
+        "compress/retention_budget_loss/layer_01",
+        "val/ppl_compressed",
+    ):
         assert name in cols, name
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     w = ckpt["state_dict"]["model.kv_retention.weight"]
@@ -345,17 +370,37 @@ def test_zero2_trains_the_policy_and_consolidates_it(tmp_path: Path) -> None:
 
     from unicache_train.checkpoint.zero import consolidate_zero_checkpoint
 
-    args = run_overrides(tmp_path / "run", "compress.enabled=true", "compress.preset=retention",
-                         "compress.unicache.quantize.bits=4", batch_size=2, steps=3,
-                         checkpoint_every=3)  # fmt: skip
+    args = run_overrides(
+        tmp_path / "run",
+        "compress.enabled=true",
+        "compress.preset=retention",
+        "compress.unicache.quantize.bits=4",
+        batch_size=2,
+        steps=3,
+        checkpoint_every=3,
+    )
     assert MODEL[0] in args
     fabric = Path(sys.executable).with_name("fabric")
     proc = subprocess.run(
-        [str(fabric), "run", "--accelerator", "cpu", "--devices", "2", "--strategy",
-         "deepspeed_stage_2", str(DRIVER), str(tmp_path / "record.jsonl"), *args],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        [
+            str(fabric),
+            "run",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "2",
+            "--strategy",
+            "deepspeed_stage_2",
+            str(DRIVER),
+            str(tmp_path / "record.jsonl"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     state = consolidate_zero_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
     w = state["model.kv_retention.weight"]

@@ -36,13 +36,26 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 ROPES = {
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 3.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
 }
-LLAMA = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-             initializer_range=0.2, tie_word_embeddings=False)
+LLAMA = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
 
 
 def _hf_llama(rope: dict, **kw):
@@ -170,8 +183,10 @@ def test_qwen2_legacy_rope_scaling_yarn_imports(tmp_path):
     Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "q")
     raw = json.loads((tmp_path / "q" / "config.json").read_text())
     raw.pop("rope_parameters")
-    raw.update(rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 4.0,
-                                                  "original_max_position_embeddings": 16})
+    raw.update(
+        rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    )
     (tmp_path / "q" / "config.json").write_text(json.dumps(raw))
     hf = _load_hf(tmp_path / "q")
     assert hf.config.rope_parameters["rope_type"] == "yarn"
@@ -194,8 +209,14 @@ def test_mhc_export_computes_rope_scaling_in_remote_code(tmp_path):
     # NOTE: initializer_range 0.02 here: at 0.2 the mHC remote code differs from ours by
     # ~1.4e-5 with default RoPE already (its own fp32 op order), which is not what this tests.
     ids = torch.randint(0, V, (2, 80))
-    mhc = dict(LLAMA, initializer_range=0.02, rope_theta=10000.0, residual_mode="mhc",
-               hc_mult=2, hc_sinkhorn_iters=5)
+    mhc = dict(
+        LLAMA,
+        initializer_range=0.02,
+        rope_theta=10000.0,
+        residual_mode="mhc",
+        hc_mult=2,
+        hc_sinkhorn_iters=5,
+    )
     torch.manual_seed(0)
     plain = Decoder(ModelConfig(**mhc)).eval()
     for name in ("llama3", "yarn", "dynamic"):
@@ -244,8 +265,9 @@ def test_dynamic_cached_decoding_matches_transformers_step_by_step(tmp_path):
 
 # ---------------------------------------------------------------- serving the compression
 @pytest.mark.parametrize("policy", ["unicache_int4_merge", "xkv"])
-def test_compressed_cache_in_transformers_serves_a_yarn_export_exactly(tmp_path, monkeypatch,
-                                                                        policy):
+def test_compressed_cache_in_transformers_serves_a_yarn_export_exactly(
+    tmp_path, monkeypatch, policy
+):
     """The exported compression policy in stock transformers ``generate()`` equals our decoding
     loop on a YaRN model (tokens equal, logits <= 1e-4, bytes equal): keys carry the attention
     factor on both sides, so int4 + merging (not scale-equivariant) decides the same, and xKV's
@@ -254,8 +276,11 @@ def test_compressed_cache_in_transformers_serves_a_yarn_export_exactly(tmp_path,
     # sys.path under pytest's rootdir).
     ce = pytest.importorskip("cache_exactness")
 
-    monkeypatch.setitem(ce.COMMON, "rope_scaling", {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    monkeypatch.setitem(
+        ce.COMMON,
+        "rope_scaling",
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    )
     ce.check(tmp_path, "llama", policy)
 
 
@@ -267,11 +292,22 @@ def test_unicache_then_xkv_at_full_rank_is_exact_on_a_yarn_model():
     from unicache_train.train.config import CompressionTrainConfig
 
     torch.manual_seed(0)
-    model = Decoder(ModelConfig(**{**LLAMA, "num_hidden_layers": 3}, rope_theta=10000.0,
-                                rope_scaling=ROPES["yarn"])).eval()
-    comp = build_compressor(CompressionTrainConfig.from_dict(dict(
-        enabled=True, method="unicache+xkv", preset="text_style_baseline",
-        unicache={"target_rate": 0.0}, xkv={"rank_fraction": 1.0, "keys_pre_rope": True})))
+    model = Decoder(
+        ModelConfig(
+            **{**LLAMA, "num_hidden_layers": 3}, rope_theta=10000.0, rope_scaling=ROPES["yarn"]
+        )
+    ).eval()
+    comp = build_compressor(
+        CompressionTrainConfig.from_dict(
+            dict(
+                enabled=True,
+                method="unicache+xkv",
+                preset="text_style_baseline",
+                unicache={"target_rate": 0.0},
+                xkv={"rank_fraction": 1.0, "keys_pre_rope": True},
+            )
+        )
+    )
     ids = torch.randint(0, V, (2, 40))
     split = torch.tensor([31, 17])
     with torch.no_grad():
@@ -287,13 +323,29 @@ def _hf_deepseek(rope: dict):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = DeepseekV3Config(
-        vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
-        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=12,
-        first_k_dense_replace=2, n_routed_experts=1, n_group=1, topk_group=1,
-        num_experts_per_tok=1, rope_interleave=True, tie_word_embeddings=False,
-        rope_parameters={**rope, "rope_theta": 10000.0}, max_position_embeddings=64,
-        num_mtp_layers=0, initializer_range=0.2,
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=16,
+        v_head_dim=12,
+        first_k_dense_replace=2,
+        n_routed_experts=1,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=1,
+        rope_interleave=True,
+        tie_word_embeddings=False,
+        rope_parameters={**rope, "rope_theta": 10000.0},
+        max_position_embeddings=64,
+        num_mtp_layers=0,
+        initializer_range=0.2,
     )
     torch.manual_seed(0)
     return DeepseekV3ForCausalLM(cfg).eval()
@@ -301,16 +353,19 @@ def _hf_deepseek(rope: dict):
 
 @pytest.mark.parametrize(
     "mscale, mscale_all_dim",
-    [(1.0, 1.0),  # DeepSeek-V3's own: attention factor 1, softmax scale x mscale^2
-     (1.0, 0.5)],  # attention factor != 1 too: the RoPE part of the logit changes alone
+    [
+        (1.0, 1.0),  # DeepSeek-V3's own: attention factor 1, softmax scale x mscale^2
+        (1.0, 0.5),
+    ],  # attention factor != 1 too: the RoPE part of the logit changes alone
 )
 def test_deepseek_v3_yarn_mscale_matches_transformers(tmp_path, mscale, mscale_all_dim):
     from transformers import DeepseekV3ForCausalLM
 
     from unicache_train.checkpoint.deepseek_v3 import export_deepseek_v3, import_deepseek_v3
 
-    rope = dict(ROPES["yarn"], mscale=mscale, mscale_all_dim=mscale_all_dim, beta_fast=32.0,
-                beta_slow=1.0)
+    rope = dict(
+        ROPES["yarn"], mscale=mscale, mscale_all_dim=mscale_all_dim, beta_fast=32.0, beta_slow=1.0
+    )
     hf = _hf_deepseek(rope)
     hf.save_pretrained(tmp_path / "hf")
     ours = import_deepseek_v3(tmp_path / "hf")
@@ -349,8 +404,12 @@ def test_deepseek_v3_llama3_imports_and_odd_mscale_is_refused(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, hf(ids).logits, **TOL)
     raw = json.loads((tmp_path / "hf" / "config.json").read_text())
-    raw["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "mscale_all_dim": 1.0,
-                              "rope_theta": 10000.0}
+    raw["rope_parameters"] = {
+        "rope_type": "linear",
+        "factor": 2.0,
+        "mscale_all_dim": 1.0,
+        "rope_theta": 10000.0,
+    }
     with pytest.raises(DeepseekV3ExportError, match="mscale_all_dim=1.0 with rope_type='linear'"):
         from_deepseek_v3_config(raw)
 
@@ -363,11 +422,15 @@ def test_deepseek_v3_llama3_imports_and_odd_mscale_is_refused(tmp_path):
         ({"factor": 4.0}, r"factor=4.0 is not read by rope_type='default'"),
         ({"rope_type": "llama3", "beta_fast": 8.0}, r"beta_fast=8.0 is not read by.*'llama3'"),
         ({"rope_type": "linear", "factor": 0.0}, r"factor=0.0 is out of range; allowed \(0, inf\)"),
-        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0},
-         r"high_freq_factor=4.0 must exceed low_freq_factor=4.0"),
+        (
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0},
+            r"high_freq_factor=4.0 must exceed low_freq_factor=4.0",
+        ),
         ({"rope_type": "yarn", "beta_fast": 1.0, "beta_slow": 2.0}, r"beta_fast=1.0 must be >="),
-        ({"rope_type": "yarn", "original_max_position_embeddings": 0},
-         r"original_max_position_embeddings=0 is out of range"),
+        (
+            {"rope_type": "yarn", "original_max_position_embeddings": 0},
+            r"original_max_position_embeddings=0 is out of range",
+        ),
         ({"rope_type": "yarn", "truncate": "yes"}, r"truncate='yes': expected true or false"),
     ],
 )
@@ -395,12 +458,18 @@ def test_unsupported_rope_types_and_missing_keys_are_named(tmp_path):
     path = tmp_path / "m" / "config.json"
     raw = json.loads(path.read_text())
     cases = [
-        ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8},
-         r"rope_type='longrope' is not implemented; supported: \['default', 'linear'"),
-        ({"rope_type": "llama3", "factor": 8.0},
-         r"lacks \['low_freq_factor', 'high_freq_factor'\]"),
-        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
-         r"not representable: RopeScalingConfig.high_freq_factor=1.0 must exceed"),
+        (
+            {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8},
+            r"rope_type='longrope' is not implemented; supported: \['default', 'linear'",
+        ),
+        (
+            {"rope_type": "llama3", "factor": 8.0},
+            r"lacks \['low_freq_factor', 'high_freq_factor'\]",
+        ),
+        (
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
+            r"not representable: RopeScalingConfig.high_freq_factor=1.0 must exceed",
+        ),
     ]
     for rope, match in cases:
         path.write_text(json.dumps({**raw, "rope_parameters": {**rope, "rope_theta": 1e4}}))

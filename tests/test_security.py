@@ -38,9 +38,14 @@ class _Payload:
 
 def _evil_checkpoint(path: Path, marker: Path) -> Path:
     """A file shaped like one of our Lightning checkpoints, with the payload in its config."""
-    torch.save({"state_dict": {"model.embed_tokens.weight": torch.zeros(2, 2)},
-                "hyper_parameters": {"config": {"model": _Payload(marker)}},
-                "global_step": 1}, path)
+    torch.save(
+        {
+            "state_dict": {"model.embed_tokens.weight": torch.zeros(2, 2)},
+            "hyper_parameters": {"config": {"model": _Payload(marker)}},
+            "global_step": 1,
+        },
+        path,
+    )
     return path
 
 
@@ -51,11 +56,15 @@ def _evil_zero_dir(path: Path, marker: Path, evil: str = "model") -> Path:
     tag.mkdir(parents=True)
     (path / "latest").write_text("checkpoint")
     plain = {"global_step": 1, "hyper_parameters": {"config": {}}}
-    torch.save({**plain, "payload": _Payload(marker)} if evil == "model" else plain,
-               tag / "mp_rank_00_model_states.pt")
+    torch.save(
+        {**plain, "payload": _Payload(marker)} if evil == "model" else plain,
+        tag / "mp_rank_00_model_states.pt",
+    )
     optim = {"optimizer_state_dict": {"zero_stage": 2}}
-    torch.save({**optim, "payload": _Payload(marker)} if evil == "optim" else optim,
-               tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    torch.save(
+        {**optim, "payload": _Payload(marker)} if evil == "optim" else optim,
+        tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    )
     return path
 
 
@@ -75,11 +84,14 @@ def test_the_payload_is_live(tmp_path, marker, evil_ckpt):
 
 
 # ----------------------------------------------------------------------------- refusals
-@pytest.mark.parametrize("argv", [
-    ["generate", "--prompt", "hi"],
-    ["evaluate"],
-    ["export", "--out", "OUT"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "hi"],
+        ["evaluate"],
+        ["export", "--out", "OUT"],
+    ],
+)
 def test_cli_refuses_a_malicious_checkpoint(tmp_path, marker, evil_ckpt, capsys, argv):
     from unicache_train.cli import main
 
@@ -97,9 +109,20 @@ def test_cli_subprocess_refuses_and_runs_nothing(tmp_path, marker, evil_ckpt):
     import subprocess
 
     proc = subprocess.run(
-        [sys.executable, "-c", "from unicache_train.cli import main; main()", "generate",
-         "--checkpoint", str(evil_ckpt), "--prompt", "hi"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-c",
+            "from unicache_train.cli import main; main()",
+            "generate",
+            "--checkpoint",
+            str(evil_ckpt),
+            "--prompt",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "refused to load" in proc.stderr and "Traceback" not in proc.stderr
@@ -158,16 +181,33 @@ def test_deepspeed_resume_refuses_before_deepspeed_unpickles(tmp_path, marker, e
 
 # ----------------------------------------------------------------------------- normal files
 def _small_config(out_dir: Path, **train) -> RunConfig:
-    tc = dict(max_steps=2, lr=1e-3, warmup_steps=0, val_every_n_steps=2, limit_val_batches=1,
-              checkpoint_every_n_steps=2, accelerator="cpu", devices=1, out_dir=str(out_dir),
-              progress_bar=False, log_every_n_steps=1)
+    tc = dict(
+        max_steps=2,
+        lr=1e-3,
+        warmup_steps=0,
+        val_every_n_steps=2,
+        limit_val_batches=1,
+        checkpoint_every_n_steps=2,
+        accelerator="cpu",
+        devices=1,
+        out_dir=str(out_dir),
+        progress_bar=False,
+        log_every_n_steps=1,
+    )
     tc.update(train)
     return RunConfig(
-        model=ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, residual_mode="mhc",
-                          hc_mult=2),
-        data=DataConfig(seq_len=64, batch_size=4,
-                        synthetic=SyntheticDataConfig(num_stories=40, num_recall=40)),
+        model=ModelConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            residual_mode="mhc",
+            hc_mult=2,
+        ),
+        data=DataConfig(
+            seq_len=64, batch_size=4, synthetic=SyntheticDataConfig(num_stories=40, num_recall=40)
+        ),
         train=TrainConfig(**tc),
         logging=LoggingConfig(logger="csv"),
     )

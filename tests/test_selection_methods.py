@@ -147,8 +147,16 @@ def test_selection_composes_with_budgets_protection_and_spans(method: str) -> No
 def test_scorer_replaces_only_the_importance_step() -> None:
     comp = UniCacheCompressor(presets.snapkv())
     names = [type(s).__name__ for s in comp.steps]
-    assert names == ["DynamicFallback", "HeadMerge", "SnapKV", "LayerSchedule", "ModalityBudget",
-                     "AlignmentProtect", "MergeEvict", "Quantize"]  # fmt: skip
+    assert names == [
+        "DynamicFallback",
+        "HeadMerge",
+        "SnapKV",
+        "LayerSchedule",
+        "ModalityBudget",
+        "AlignmentProtect",
+        "MergeEvict",
+        "Quantize",
+    ]
 
 
 # ------------------------------------------------------------------ config

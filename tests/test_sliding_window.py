@@ -18,8 +18,15 @@ from unicache_train.seam import RecordingCompressor
 from unicache_train.validation import ConfigError
 
 V = 97
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 MIXED = ["sliding_attention", "full_attention", "sliding_attention"]
 
 
@@ -35,8 +42,12 @@ def test_mask_is_transformers_sliding_window_causal_mask():
     fn = and_masks(causal_mask_function, sliding_window_overlay(4))
     for past, T, S in [(0, 9, 9), (5, 3, 8), (7, 1, 8)]:
         ours = sliding_causal_mask(T, S, past, 4, torch.device("cpu"))
-        ref = torch.tensor([[bool(fn(0, 0, torch.tensor(past + i), torch.tensor(j)))
-                             for j in range(S)] for i in range(T)])  # fmt: skip
+        ref = torch.tensor(
+            [
+                [bool(fn(0, 0, torch.tensor(past + i), torch.tensor(j))) for j in range(S)]
+                for i in range(T)
+            ]
+        )
         assert torch.equal(ours, ref)
     # i - W < j <= i: exactly W keys once the window is full
     assert sliding_causal_mask(10, 10, 0, 4, torch.device("cpu")).sum(1).tolist() == (
@@ -68,8 +79,13 @@ def _hf_sliding(family: str, window: int, path):
     if family == "mistral":
         cfg = MistralConfig(**base, sliding_window=window, tie_word_embeddings=False)
     else:
-        cfg = Qwen2Config(**base, use_sliding_window=True, sliding_window=window,
-                          max_window_layers=1, tie_word_embeddings=True)  # fmt: skip
+        cfg = Qwen2Config(
+            **base,
+            use_sliding_window=True,
+            sliding_window=window,
+            max_window_layers=1,
+            tie_word_embeddings=True,
+        )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -221,8 +237,9 @@ def test_training_step_through_windowed_layers_has_gradients():
     model = windowed_model(window=4).train()
     ids = torch.randint(0, V, (2, 16))
     out = model(ids, split=torch.tensor([9, 12]), compressor=UniCacheCompressor(unicache(0.5)))
-    loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, V),
-                                             ids[:, 1:].reshape(-1))  # fmt: skip
+    loss = torch.nn.functional.cross_entropy(
+        out.logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1)
+    )
     loss.backward()
     assert math.isfinite(float(loss))
     assert all(layer.self_attn.q_proj.weight.grad.abs().sum() > 0 for layer in model.layers)
@@ -274,14 +291,17 @@ def test_lightning_module_compressed_loss_with_windowed_layers():
 
     cfg = RunConfig(
         model=ModelConfig(**COMMON, sliding_window=6, layer_types=MIXED),
-        compress=CompressionTrainConfig(enabled=True, unicache=unicache(0.6, 8),
-                                        kl_weight=0.5),
-    )  # fmt: skip
+        compress=CompressionTrainConfig(enabled=True, unicache=unicache(0.6, 8), kl_weight=0.5),
+    )
     torch.manual_seed(0)
     m = LMModule(cfg)
     ids = torch.randint(0, V, (2, 33))
-    b = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "split": torch.tensor([20, 14]),
-         "modality_ids": torch.zeros(2, 32, dtype=torch.long)}  # fmt: skip
+    b = {
+        "input_ids": ids[:, :-1],
+        "labels": ids[:, 1:],
+        "split": torch.tensor([20, 14]),
+        "modality_ids": torch.zeros(2, 32, dtype=torch.long),
+    }
     loss, _, per_layer = m.compressed_loss(b, step=0)
     loss.backward()
     assert math.isfinite(float(loss))

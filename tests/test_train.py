@@ -20,15 +20,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def small_config(out_dir: Path, **train) -> RunConfig:
-    tc = dict(max_steps=40, lr=3e-3, warmup_steps=5, val_every_n_steps=20, limit_val_batches=2,
-              checkpoint_every_n_steps=10, accelerator="cpu", devices=1, out_dir=str(out_dir),
-              progress_bar=False, log_every_n_steps=1)
+    tc = dict(
+        max_steps=40,
+        lr=3e-3,
+        warmup_steps=5,
+        val_every_n_steps=20,
+        limit_val_batches=2,
+        checkpoint_every_n_steps=10,
+        accelerator="cpu",
+        devices=1,
+        out_dir=str(out_dir),
+        progress_bar=False,
+        log_every_n_steps=1,
+    )
     tc.update(train)
     return RunConfig(
-        model=ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2),
-        data=DataConfig(seq_len=64, batch_size=8,
-                        synthetic=SyntheticDataConfig(num_stories=150, num_recall=150)),
+        model=ModelConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        data=DataConfig(
+            seq_len=64, batch_size=8, synthetic=SyntheticDataConfig(num_stories=150, num_recall=150)
+        ),
         train=TrainConfig(**tc),
         logging=LoggingConfig(logger="csv"),
     )
@@ -90,8 +106,14 @@ def test_warmup_cosine_schedule():
 
 def test_launcher_env_overrides_recipe():
     cfg = RunConfig()
-    env = {"LT_CLI_USED": "1", "LT_ACCELERATOR": "cpu", "LT_STRATEGY": "ddp", "LT_DEVICES": "2",
-           "LT_NUM_NODES": "1", "LT_PRECISION": "32"}
+    env = {
+        "LT_CLI_USED": "1",
+        "LT_ACCELERATOR": "cpu",
+        "LT_STRATEGY": "ddp",
+        "LT_DEVICES": "2",
+        "LT_NUM_NODES": "1",
+        "LT_PRECISION": "32",
+    }
     apply_launcher_env(cfg, env)
     assert (cfg.train.accelerator, cfg.train.strategy, cfg.train.devices) == ("cpu", "ddp", 2)
     assert cfg.train.precision == "32-true"
@@ -103,18 +125,43 @@ def test_launcher_env_overrides_recipe():
 def _fabric_run(out_dir: Path, max_steps: int) -> subprocess.CompletedProcess:
     fabric = Path(sys.executable).with_name("fabric")
     overrides = [
-        f"train.max_steps={max_steps}", f"train.out_dir={out_dir}", "train.resume=auto",
-        "train.checkpoint_every_n_steps=4", "train.val_every_n_steps=4",
-        "train.limit_val_batches=1", "train.progress_bar=false", "train.log_every_n_steps=1",
-        "train.warmup_steps=2", "logging.logger=csv", "model.hidden_size=64",
-        "model.num_hidden_layers=2", "model.intermediate_size=128", "data.seq_len=64",
-        "data.batch_size=4", "data.synthetic.num_stories=100", "data.synthetic.num_recall=100",
+        f"train.max_steps={max_steps}",
+        f"train.out_dir={out_dir}",
+        "train.resume=auto",
+        "train.checkpoint_every_n_steps=4",
+        "train.val_every_n_steps=4",
+        "train.limit_val_batches=1",
+        "train.progress_bar=false",
+        "train.log_every_n_steps=1",
+        "train.warmup_steps=2",
+        "logging.logger=csv",
+        "model.hidden_size=64",
+        "model.num_hidden_layers=2",
+        "model.intermediate_size=128",
+        "data.seq_len=64",
+        "data.batch_size=4",
+        "data.synthetic.num_stories=100",
+        "data.synthetic.num_recall=100",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [str(fabric), "run", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
-         str(ROOT / "recipes" / "pretrain_tiny.py"), *overrides],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+        [
+            str(fabric),
+            "run",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "2",
+            "--strategy",
+            "ddp",
+            str(ROOT / "recipes" / "pretrain_tiny.py"),
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
     )
 
 
@@ -143,11 +190,16 @@ def test_cli_fit_accepts_compress_section(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(run_mod, "fit", lambda config: seen.setdefault("config", config))
-    main([
-        "fit", "compress.enabled=true", "compress.preset=text_style_baseline",
-        "compress.unicache.target_rate=0.5", "compress.unicache.quantize.bits=4",
-        "compress.kl_weight=0.25",
-    ])
+    main(
+        [
+            "fit",
+            "compress.enabled=true",
+            "compress.preset=text_style_baseline",
+            "compress.unicache.target_rate=0.5",
+            "compress.unicache.quantize.bits=4",
+            "compress.kl_weight=0.25",
+        ]
+    )
     cc = seen["config"].compress
     assert cc.enabled and cc.kl_weight == 0.25
     assert cc.unicache.target_rate == 0.5 and cc.unicache.quantize.bits == 4

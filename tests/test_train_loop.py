@@ -17,9 +17,16 @@ V = 61
 
 def _model() -> Decoder:
     torch.manual_seed(0)
-    return Decoder(ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
-                               num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2))  # fmt: skip
+    return Decoder(
+        ModelConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -48,15 +55,25 @@ def test_compressed_steps_put_the_loss_on_the_continuation():
     model, batch = _model(), _batch()
     with torch.no_grad():
         logits = model(batch["input_ids"]).logits
-    res = train_steps(model, endless(lambda: [batch]), 1, 1e-2, 0, TrainConfig(),
-                      compressor=IdentityCompressor(), min_context=4, seed=3)  # fmt: skip
+    res = train_steps(
+        model,
+        endless(lambda: [batch]),
+        1,
+        1e-2,
+        0,
+        TrainConfig(),
+        compressor=IdentityCompressor(),
+        min_context=4,
+        seed=3,
+    )
     labels, t = batch["labels"].clone(), torch.arange(20)
     losses = []
     for split2 in range(4, 15):  # the random split of sample 2 is one of these
         split = torch.tensor([7, 12, split2])
         lab = torch.where(t[None] >= (split[:, None] - 1), labels, -100)
-        losses.append(float(F.cross_entropy(logits.reshape(-1, V), lab.reshape(-1),
-                                            ignore_index=-100)))  # fmt: skip
+        losses.append(
+            float(F.cross_entropy(logits.reshape(-1, V), lab.reshape(-1), ignore_index=-100))
+        )
     assert min(abs(x - res.losses[0]) for x in losses) < 1e-5
     full = float(F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100))
     assert abs(full - res.losses[0]) > 1e-3  # not the whole-sequence loss

@@ -51,8 +51,10 @@ def _rec(pid, tokens, gaps, match=True):
 
 
 def test_compare_records_rows_and_summary(vc):
-    prompts = [{"id": "a", "kind": "text", "prompt_token_ids": [1, 2]},
-               {"id": "b", "kind": "chat", "prompt_token_ids": [1, 2, 3]}]  # fmt: skip
+    prompts = [
+        {"id": "a", "kind": "text", "prompt_token_ids": [1, 2]},
+        {"id": "b", "kind": "chat", "prompt_token_ids": [1, 2, 3]},
+    ]
     ref = [_rec("a", [5, 6, 7, 8], [1.0, 2.0, 0.5, 3.0]), _rec("b", [9, 9], [0.1, 0.2])]
     got = [_rec("b", [9, 9], [0.1, 0.2], False), _rec("a", [5, 6, 4, 8], [1.0, 2.0, 0.4, 3.0])]
     rows = vc.compare_records("m", prompts, ref, got)
@@ -103,9 +105,14 @@ def test_greedy_reference_loop_matches_generate(vc):
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(cfg).eval()
     ids = [3, 17, 5, 40, 9]
     greedy = GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
@@ -122,14 +129,30 @@ def test_greedy_reference_loop_matches_generate(vc):
 def test_compare_cli_writes_csv(vc, tmp_path):
     prompts = [{"id": "a", "kind": "text", "prompt_token_ids": [1]}]
     files = {}
-    for name, recs in (("p", prompts), ("r", [_rec("a", [1, 2], [0.3, 0.2])]),
-                       ("v", [_rec("a", [1, 2], [0.3, 0.2])])):  # fmt: skip
+    for name, recs in (
+        ("p", prompts),
+        ("r", [_rec("a", [1, 2], [0.3, 0.2])]),
+        ("v", [_rec("a", [1, 2], [0.3, 0.2])]),
+    ):
         files[name] = tmp_path / f"{name}.jsonl"
         files[name].write_text("".join(json.dumps(x) + "\n" for x in recs))
     out = tmp_path / "out.csv"
     for _ in range(2):  # appends, one header
-        vc.main(["compare", "--name", "m", "--prompts", str(files["p"]), "--reference",
-                 str(files["r"]), "--vllm", str(files["v"]), "--out", str(out)])  # fmt: skip
+        vc.main(
+            [
+                "compare",
+                "--name",
+                "m",
+                "--prompts",
+                str(files["p"]),
+                "--reference",
+                str(files["r"]),
+                "--vllm",
+                str(files["v"]),
+                "--out",
+                str(out),
+            ]
+        )
     rows = list(csv.DictReader(out.open()))
     assert [r["prompt"] for r in rows] == ["a", "ALL", "a", "ALL"]
     assert rows[1]["exact"] == "1.0000"
@@ -142,12 +165,25 @@ def test_pad_mla_state_dict_keeps_the_logits(vc):
 
     torch.manual_seed(0)
     kw = dict(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
-        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=2,
-        n_routed_experts=1, n_shared_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=None,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        first_k_dense_replace=2,
+        n_routed_experts=1,
+        n_shared_experts=1,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
         max_position_embeddings=64,
-    )  # fmt: skip
+    )
     src = DeepseekV3ForCausalLM(DeepseekV3Config(kv_lora_rank=12, **kw)).eval()
     for m in src.modules():  # non-trivial latent norm weights
         if m.__class__.__name__ == "DeepseekV3RMSNorm":
@@ -171,12 +207,27 @@ def test_pad_mla_rope_keeps_the_logits(vc):
 
     torch.manual_seed(0)
     kw = dict(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
-        qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=2, kv_lora_rank=12,
-        n_routed_experts=1, n_shared_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1,
-        max_position_embeddings=64, rope_interleave=True, initializer_range=0.2,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=None,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        first_k_dense_replace=2,
+        kv_lora_rank=12,
+        n_routed_experts=1,
+        n_shared_experts=1,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=64,
+        rope_interleave=True,
+        initializer_range=0.2,
+    )
     src_cfg = DeepseekV3Config(qk_rope_head_dim=4, rope_theta=100.0, **kw)
     src = DeepseekV3ForCausalLM(src_cfg).eval()
     sd, cfg = vc.pad_mla_rope_state_dict(src.state_dict(), src_cfg.to_dict(), 8)
@@ -195,8 +246,12 @@ def test_pad_mla_rope_keeps_the_logits(vc):
 
 
 def test_preflight_names_what_vllm_gets_wrong(vc):
-    mla = {"model_type": "deepseek_v3", "tie_word_embeddings": True, "kv_lora_rank": 256,
-           "qk_rope_head_dim": 64}  # fmt: skip
+    mla = {
+        "model_type": "deepseek_v3",
+        "tie_word_embeddings": True,
+        "kv_lora_rank": 256,
+        "qk_rope_head_dim": 64,
+    }
     got = vc.preflight(mla, {"model.embed_tokens.weight"})
     assert len(got) == 3
     assert "lm_head.weight" in got[0] and "rotary_embedding" in got[1] and "= 320" in got[2]

@@ -56,31 +56,71 @@ TOK = ByteTokenizer()
 
 def tiny_vlm(seed: int = 0, freeze: bool = False) -> VisionLanguageModel:
     torch.manual_seed(seed)
-    cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    vis = VisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=1, num_attention_heads=2,
-                       freeze_encoder=freeze)  # fmt: skip
+    cfg = ModelConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    vis = VisionConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        freeze_encoder=freeze,
+    )
     return VisionLanguageModel(cfg, vis)
 
 
 def tiny_run(tmp_path: Path, **compress) -> VLMRunConfig:
-    return VLMRunConfig.from_dict({
-        "model": {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-                  "num_attention_heads": 4, "num_key_value_heads": 2},
-        "vision": {"image_size": 32, "patch_size": 8, "hidden_size": 32,
-                   "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
-        "data": {"batch_size": 4, "scenes": {"image_size": 32, "cell_size": 8, "max_shapes": 3,
-                                             "max_describe": 2, "num_train": 64, "num_val": 8,
-                                             "images_per_sample": [1, 2]}},
-        "train": {"max_steps": 3, "val_every_n_steps": 3, "limit_val_batches": 1,
-                  "checkpoint_every_n_steps": 3, "accelerator": "cpu", "warmup_steps": 1,
-                  "out_dir": str(tmp_path / "run"), "progress_bar": False,
-                  "log_every_n_steps": 1},
-        "logging": {"logger": "csv"},
-        "monitor": {"gain": False},
-        "compress": compress,
-    })  # fmt: skip
+    return VLMRunConfig.from_dict(
+        {
+            "model": {
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+            },
+            "vision": {
+                "image_size": 32,
+                "patch_size": 8,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            },
+            "data": {
+                "batch_size": 4,
+                "scenes": {
+                    "image_size": 32,
+                    "cell_size": 8,
+                    "max_shapes": 3,
+                    "max_describe": 2,
+                    "num_train": 64,
+                    "num_val": 8,
+                    "images_per_sample": [1, 2],
+                },
+            },
+            "train": {
+                "max_steps": 3,
+                "val_every_n_steps": 3,
+                "limit_val_batches": 1,
+                "checkpoint_every_n_steps": 3,
+                "accelerator": "cpu",
+                "warmup_steps": 1,
+                "out_dir": str(tmp_path / "run"),
+                "progress_bar": False,
+                "log_every_n_steps": 1,
+            },
+            "logging": {"logger": "csv"},
+            "monitor": {"gain": False},
+            "compress": compress,
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- vision tower
@@ -94,9 +134,12 @@ def test_patchify_is_row_major() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value", "allowed"),
-    [("patch_size", 0, "[1, 48]"), ("num_hidden_layers", -1, "[0, 64]"),
-     ("projector", "conv", "['mlp', 'linear']")],
-)  # fmt: skip
+    [
+        ("patch_size", 0, "[1, 48]"),
+        ("num_hidden_layers", -1, "[0, 64]"),
+        ("projector", "conv", "['mlp', 'linear']"),
+    ],
+)
 def test_vision_config_errors_name_field_value_range(field, value, allowed) -> None:
     with pytest.raises(ConfigError) as err:
         VisionConfig(**{field: value})
@@ -173,8 +216,12 @@ def test_refer_answer_is_unique_and_redundant_background() -> None:
     for _ in range(50):
         scene, ref, tgt, rel = _refer_scene(cfg, rng, 4)
         dr, dc = _RELATIONS[rel]
-        on_ray = [s for s in scene.shapes for k in range(1, 6)
-                  if (s.row, s.col) == (ref.row + dr * k, ref.col + dc * k)]  # fmt: skip
+        on_ray = [
+            s
+            for s in scene.shapes
+            for k in range(1, 6)
+            if (s.row, s.col) == (ref.row + dr * k, ref.col + dc * k)
+        ]
         assert on_ray == [tgt]
         assert sum(s.name == ref.name for s in scene.shapes) == 1
     # Most patches are background: near-duplicates of a neighbour.
@@ -218,8 +265,9 @@ def test_multi_image_prompts() -> None:
 # ----------------------------------------------------------------------------- batches
 def test_encode_and_collate_labels_split_and_pixels() -> None:
     P = 16
-    s = make_sample(SceneConfig(image_size=32, cell_size=8, max_shapes=3,
-                                images_per_sample=[2, 2]), 0, 3)  # fmt: skip
+    s = make_sample(
+        SceneConfig(image_size=32, cell_size=8, max_shapes=3, images_per_sample=[2, 2]), 0, 3
+    )
     enc = encode_sample(s["prompt"], s["answer"], 2, TOK, P, "answer")
     assert int((enc["modality"] == 1).sum()) == 2 * P
     assert TOK.decode(enc["ids"][enc["answer_start"] :].tolist()) == s["answer"]
@@ -229,9 +277,11 @@ def test_encode_and_collate_labels_split_and_pixels() -> None:
     one = make_sample(SCENES, 0, 4)
     enc1 = encode_sample(one["prompt"], one["answer"], 1, TOK, P)
     batch = MultimodalCollator(TOK.pad_token_id, 512, False, 32)(
-        [{**enc, "images": s["images"], "task_id": 2}, {**enc1, "images": one["images"],
-                                                       "task_id": 0}]
-    )  # fmt: skip
+        [
+            {**enc, "images": s["images"], "task_id": 2},
+            {**enc1, "images": one["images"], "task_id": 0},
+        ]
+    )
     assert batch["pixel_values"].shape == (2, 2, 3, 32, 32)
     assert batch["image_mask"].tolist() == [[True, True], [True, False]]
     lab = batch["labels"][0]
@@ -240,8 +290,9 @@ def test_encode_and_collate_labels_split_and_pixels() -> None:
     assert TOK.decode(lab[scored].tolist()) == s["answer"]
     assert (batch["labels"][batch["modality_ids"].roll(-1, 1) == 1] == -100).all()
     with pytest.raises(ValueError, match="max_seq_len"):
-        MultimodalCollator(TOK.pad_token_id, 16, False, 32)([{**enc, "images": s["images"],
-                                                              "task_id": 0}])  # fmt: skip
+        MultimodalCollator(TOK.pad_token_id, 16, False, 32)(
+            [{**enc, "images": s["images"], "task_id": 0}]
+        )
     with pytest.raises(ValueError, match="mark"):
         encode_sample("no image here", "x", 1, TOK, P)
 
@@ -255,8 +306,15 @@ def _write_images(root: Path, n: int) -> list[dict]:
         arr = (s["images"][0].transpose(1, 2, 0) * 255).astype(np.uint8)
         Image.fromarray(arr).resize((40, 40)).save(root / f"img{i}.png")
         q = s["prompt"].replace(IMAGE_MARK, "").strip()
-        rows.append({"file_name": f"img{i}.png", "question": q, "answer": s["answer"],
-                     "task": s["task"], "text": f"caption {i}"})  # fmt: skip
+        rows.append(
+            {
+                "file_name": f"img{i}.png",
+                "question": q,
+                "answer": s["answer"],
+                "task": s["task"],
+                "text": f"caption {i}",
+            }
+        )
     return rows
 
 
@@ -271,8 +329,9 @@ def test_local_imagefolder_and_parquet(tmp_path: Path) -> None:
     with (folder / "metadata.jsonl").open("w") as fh:
         for r in rows:
             fh.write(json.dumps(r) + "\n")
-    cfg = MultimodalDataConfig(source=str(folder), batch_size=3, val_fraction=0.34,
-                               tokenizer="byte")  # free text: captions, questions
+    cfg = MultimodalDataConfig(
+        source=str(folder), batch_size=3, val_fraction=0.34, tokenizer="byte"
+    )  # free text: captions, questions
     dm = MultimodalDataModule(cfg, image_size=32, patches_per_image=16)
     dm.setup()
     assert len(dm.train_dataset) == 4 and len(dm.val_dataset) == 2
@@ -285,24 +344,27 @@ def test_local_imagefolder_and_parquet(tmp_path: Path) -> None:
     assert answer in {r["answer"] for r in rows}
 
     # parquet: an image column of encoded bytes plus a caption (no question/answer pair).
-    table = {"image": [{"bytes": (folder / r["file_name"]).read_bytes(), "path": None}
-                       for r in rows], "text": [r["text"] for r in rows]}  # fmt: skip
+    table = {
+        "image": [{"bytes": (folder / r["file_name"]).read_bytes(), "path": None} for r in rows],
+        "text": [r["text"] for r in rows],
+    }
     datasets.Dataset.from_dict(table).to_parquet(str(tmp_path / "caps.parquet"))
-    cfg = MultimodalDataConfig(source=str(tmp_path / "caps.parquet"), batch_size=2,
-                               val_fraction=0.0, tokenizer="byte")  # fmt: skip
+    cfg = MultimodalDataConfig(
+        source=str(tmp_path / "caps.parquet"), batch_size=2, val_fraction=0.0, tokenizer="byte"
+    )
     dm = MultimodalDataModule(cfg, image_size=32, patches_per_image=16)
     dm.setup()
     item = dm.train_dataset[0]
-    assert TOK.decode(item["ids"][: item["answer_start"]].tolist()).endswith(
-        "describe the image. "
-    )
+    assert TOK.decode(item["ids"][: item["answer_start"]].tolist()).endswith("describe the image. ")
     assert TOK.decode(item["ids"][item["answer_start"] :].tolist()).startswith("caption ")
     with pytest.raises(FileNotFoundError):
-        MultimodalDataModule(MultimodalDataConfig(source=str(tmp_path / "missing.parquet")),
-                             32, 16).setup()  # fmt: skip
+        MultimodalDataModule(
+            MultimodalDataConfig(source=str(tmp_path / "missing.parquet")), 32, 16
+        ).setup()
     with pytest.raises(ConfigError, match="image_column='img'"):
-        MultimodalDataModule(MultimodalDataConfig(source=str(tmp_path / "caps.parquet"),
-                                                  image_column="img"), 32, 16).setup()  # fmt: skip
+        MultimodalDataModule(
+            MultimodalDataConfig(source=str(tmp_path / "caps.parquet"), image_column="img"), 32, 16
+        ).setup()
 
 
 # ----------------------------------------------------------------------------- inference
@@ -324,19 +386,26 @@ def test_compressed_decoding_from_embeds_matches_the_in_loop_forward() -> None:
     with torch.no_grad():
         ref = model(ids, pixel_values=pix, modality_ids=mod, split=split, compressor=comp).logits
         emb = model.embed(ids, mod, pix)
-        dec, cache = decode_teacher_forced(model, ids, split, comp, modality_ids=mod,
-                                           inputs_embeds=emb)  # fmt: skip
+        dec, cache = decode_teacher_forced(
+            model, ids, split, comp, modality_ids=mod, inputs_embeds=emb
+        )
     for b, e in enumerate(encs):
         s, L = int(split[b]), len(e["ids"])
-        torch.testing.assert_close(dec[b, s - 1 : L - 1], ref[b, s - 1 : L - 1], rtol=1e-4,
-                                   atol=1e-4)  # fmt: skip
+        torch.testing.assert_close(
+            dec[b, s - 1 : L - 1], ref[b, s - 1 : L - 1], rtol=1e-4, atol=1e-4
+        )
     assert cache.kv_bytes() < cache.baseline_bytes(model.config.head_size)
 
 
 def test_evaluate_vlm_rows_and_outputs(tmp_path: Path) -> None:
     model = tiny_vlm(seed=2)
-    opts = VLMEvalConfig(rates=[0.3, 0.6], variants=["text_style", "unicache"], num_per_task=2,
-                         batch_size=4, progress=False)  # fmt: skip
+    opts = VLMEvalConfig(
+        rates=[0.3, 0.6],
+        variants=["text_style", "unicache"],
+        num_per_task=2,
+        batch_size=4,
+        progress=False,
+    )
     rows = evaluate_vlm(model, TOK, SCENES, UniCacheConfig(), opts)
     assert [r["variant"] for r in rows] == ["uncompressed"] + ["text_style"] * 2 + ["unicache"] * 2
     unc = rows[0]
@@ -413,16 +482,20 @@ def test_vision_pretraining_learns_patches_and_loads_as_init_weights(tmp_path: P
     cfg = tiny_run(tmp_path)
     tower = VisionEncoder(cfg.vision)
     stats = pretrain_vision_tower(
-        tower, cfg.data.scenes, VisionPretrainConfig(steps=40, batch_size=32, eval_images=32),
-        save_to=tmp_path / "tower.safetensors", progress=False,
-    )  # fmt: skip
+        tower,
+        cfg.data.scenes,
+        VisionPretrainConfig(steps=40, batch_size=32, eval_images=32),
+        save_to=tmp_path / "tower.safetensors",
+        progress=False,
+    )
     assert stats["patch_acc"] > 0.9  # background alone is ~0.85; shapes must be found too
     assert stats["shape_patch_acc"] > 0.2  # 20 classes: well above chance after 40 steps
     cfg.vision.init_weights = str(tmp_path / "tower.safetensors")
     cfg.vision.freeze_encoder = True
     module = VLMModule(cfg)
-    torch.testing.assert_close(module.model.vision_tower.patch_embed.weight,
-                               tower.patch_embed.weight)  # fmt: skip
+    torch.testing.assert_close(
+        module.model.vision_tower.patch_embed.weight, tower.patch_embed.weight
+    )
     assert not any(p.requires_grad for p in module.model.vision_tower.parameters())
     assert cell_labels  # exported
     with pytest.raises(ConfigError, match="init_weights"):
@@ -436,13 +509,17 @@ def test_init_weights_from_a_text_decoder(tmp_path: Path) -> None:
 
     cfg = tiny_run(tmp_path)
     text = VisionLanguageModel(cfg.model, cfg.vision)
-    state = {k: v for k, v in text.state_dict().items()
-             if not k.startswith(("vision_tower.", "projector.", "lm_head."))}  # fmt: skip
+    state = {
+        k: v
+        for k, v in text.state_dict().items()
+        if not k.startswith(("vision_tower.", "projector.", "lm_head."))
+    }
     save_file(state, str(tmp_path / "text.safetensors"))
     cfg.train.init_weights = str(tmp_path / "text.safetensors")
     module = VLMModule(cfg)
-    torch.testing.assert_close(module.model.layers[1].mlp.up_proj.weight,
-                               text.layers[1].mlp.up_proj.weight)  # fmt: skip
+    torch.testing.assert_close(
+        module.model.layers[1].mlp.up_proj.weight, text.layers[1].mlp.up_proj.weight
+    )
     save_file({"bogus": torch.zeros(1)}, str(tmp_path / "bad.safetensors"))
     cfg.train.init_weights = str(tmp_path / "bad.safetensors")
     with pytest.raises(RuntimeError, match="does not fit the decoder"):
@@ -485,8 +562,14 @@ def _recipe():
 
 def test_recipe_configs_load_and_merge() -> None:
     recipe = _recipe()
-    opts, base = recipe.parse_args(["train.max_steps=5", "recipe.num_per_task=3",
-                                    "finetune.train.max_steps=4", "finetune.compress.kl_weight=0"])
+    opts, base = recipe.parse_args(
+        [
+            "train.max_steps=5",
+            "recipe.num_per_task=3",
+            "finetune.train.max_steps=4",
+            "finetune.compress.kl_weight=0",
+        ]
+    )
     assert base.train.max_steps == 5 and opts.num_per_task == 3
     assert not base.compress.enabled
     ft = recipe.finetune_config(opts, base)
@@ -503,20 +586,42 @@ def test_recipe_end_to_end_tiny(tmp_path: Path) -> None:
     """Every stage of recipes/vlm_tiny.py on a minute model: train, evaluate, fine-tune,
     evaluate, rate grid, tables, plots and the claims report."""
     recipe = _recipe()
-    out = recipe.main([
-        f"train.out_dir={tmp_path / 'base'}", "train.max_steps=2", "train.val_every_n_steps=2",
-        "train.limit_val_batches=1", "train.progress_bar=false", "data.batch_size=4",
-        "model.hidden_size=32", "model.intermediate_size=48", "model.num_hidden_layers=2",
-        "vision.hidden_size=16", "vision.intermediate_size=16", "vision.num_hidden_layers=1",
-        "logging.logger=csv", "finetune.train.max_steps=2",
-        f"finetune.train.out_dir={tmp_path / 'ft'}", "finetune.train.val_every_n_steps=2",
-        "finetune.train.limit_val_batches=1", "recipe.num_per_task=2",
-        "recipe.eval_batch_size=6", "recipe.rates=[0.3,0.6]", "recipe.grid_vision=[0.65,0.8]",
-        "recipe.grid_text=[0.25]", "recipe.vision_steps=5",
-    ])  # fmt: skip
+    out = recipe.main(
+        [
+            f"train.out_dir={tmp_path / 'base'}",
+            "train.max_steps=2",
+            "train.val_every_n_steps=2",
+            "train.limit_val_batches=1",
+            "train.progress_bar=false",
+            "data.batch_size=4",
+            "model.hidden_size=32",
+            "model.intermediate_size=48",
+            "model.num_hidden_layers=2",
+            "vision.hidden_size=16",
+            "vision.intermediate_size=16",
+            "vision.num_hidden_layers=1",
+            "logging.logger=csv",
+            "finetune.train.max_steps=2",
+            f"finetune.train.out_dir={tmp_path / 'ft'}",
+            "finetune.train.val_every_n_steps=2",
+            "finetune.train.limit_val_batches=1",
+            "recipe.num_per_task=2",
+            "recipe.eval_batch_size=6",
+            "recipe.rates=[0.3,0.6]",
+            "recipe.grid_vision=[0.65,0.8]",
+            "recipe.grid_text=[0.25]",
+            "recipe.vision_steps=5",
+        ]
+    )
     res = tmp_path / "results"
-    for name in ("vlm_eval.csv", "vlm_eval.md", "vlm_eval.png", "vlm_rate_grid.csv",
-                 "vlm_rate_grid.png", "claims.md"):  # fmt: skip
+    for name in (
+        "vlm_eval.csv",
+        "vlm_eval.md",
+        "vlm_eval.png",
+        "vlm_rate_grid.csv",
+        "vlm_rate_grid.png",
+        "claims.md",
+    ):
         assert (res / name).stat().st_size > 0, name
     variants = {(r["model"], r["variant"]) for r in out["rows"]}
     assert ("finetuned", "unicache") in variants and ("base", "text_style") in variants

@@ -129,9 +129,7 @@ def test_realized_reduction_equals_configured(reduction: float) -> None:
     kv = sum(float(s["kv_bytes"]) for s in out.compression_stats)
     base = 4 * 2 * 64 * (2 * 2 * 16) * 2  # layers x samples x tokens x (K+V width) x 2 bytes
     assert base / kv == pytest.approx(reduction, abs=0, rel=1e-12)
-    assert all(
-        float(s["xkv_rank_k"]) == 64 * 64 / (reduction * 128) for s in out.compression_stats
-    )
+    assert all(float(s["xkv_rank_k"]) == 64 * 64 / (reduction * 128) for s in out.compression_stats)
     # The decoding cache stores the factors (not the reconstruction) and counts the same bytes.
     _, cache = decode_teacher_forced(model, ids[:, :66], split, comp)
     assert cache.kv_bytes() == int(kv)
@@ -248,8 +246,9 @@ def test_inputs_embeds_and_positions_reach_the_prefill() -> None:
     comp = XKVCompressor(XKVConfig(rank_mode="reduction", reduction=4.0))
     with torch.no_grad():
         a = model(ids, positions=pos, split=split, compressor=comp).logits
-        b = model(inputs_embeds=model.embed_tokens(ids), positions=pos, split=split,
-                  compressor=comp).logits  # fmt: skip
+        b = model(
+            inputs_embeds=model.embed_tokens(ids), positions=pos, split=split, compressor=comp
+        ).logits
     torch.testing.assert_close(a, b)
 
 
@@ -341,8 +340,12 @@ def test_activation_recompute_gives_the_same_gradients(mode: str) -> None:
         model = tiny().train()
         if recompute:
             apply_activation_checkpointing(model)
-        cfg = XKVConfig(group_size=2, rank_mode="reduction", reduction=4.0,
-                        gradient="causal" if mode == "causal" else "exact")  # fmt: skip
+        cfg = XKVConfig(
+            group_size=2,
+            rank_mode="reduction",
+            reduction=4.0,
+            gradient="causal" if mode == "causal" else "exact",
+        )
         tok = UniCacheCompressor(text_unicache(0.5)) if mode == "unicache+xkv" else None
         comp = XKVCompressor(cfg, token_compressor=tok)
         logits = model(ids, split=split, compressor=comp).logits
@@ -576,9 +579,14 @@ def test_alignment_of_an_imported_hf_model(tmp_path) -> None:
     from unicache_train.compress.xkv.alignment import collect_context_kv, layer_alignment
 
     cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     model, _ = import_hf(tmp_path)
@@ -619,17 +627,31 @@ def test_recipe_config_and_options() -> None:
 @pytest.mark.slow
 def test_recipe_runs_from_scratch(tmp_path) -> None:
     recipe = _recipe()
-    rows = recipe.main([
-        f"train.out_dir={tmp_path}", "train.max_steps=2", "train.val_every_n_steps=2",
-        "train.limit_val_batches=1", "train.progress_bar=false", "logging.logger=none",
-        "data.synthetic.num_stories=40", "data.synthetic.num_recall=40",
-        "pretrain.train.max_steps=2", "pretrain.train.val_every_n_steps=2",
-        "pretrain.train.limit_val_batches=1", "pretrain.data.synthetic.num_stories=40",
-        "pretrain.data.synthetic.num_recall=40", "recipe.num_recall=2", "recipe.limit_batches=1",
-        "recipe.train_reductions=[4]",
-    ])  # fmt: skip
+    rows = recipe.main(
+        [
+            f"train.out_dir={tmp_path}",
+            "train.max_steps=2",
+            "train.val_every_n_steps=2",
+            "train.limit_val_batches=1",
+            "train.progress_bar=false",
+            "logging.logger=none",
+            "data.synthetic.num_stories=40",
+            "data.synthetic.num_recall=40",
+            "pretrain.train.max_steps=2",
+            "pretrain.train.val_every_n_steps=2",
+            "pretrain.train.limit_val_batches=1",
+            "pretrain.data.synthetic.num_stories=40",
+            "pretrain.data.synthetic.num_recall=40",
+            "recipe.num_recall=2",
+            "recipe.limit_batches=1",
+            "recipe.train_reductions=[4]",
+        ]
+    )
     assert [(r["target_reduction"], r["method"]) for r in rows] == [
-        (4.0, "xkv"), (4.0, "unicache"), (8.0, "xkv"), (8.0, "unicache")
+        (4.0, "xkv"),
+        (4.0, "unicache"),
+        (8.0, "xkv"),
+        (8.0, "unicache"),
     ]
     assert not math.isnan(rows[0]["ppl_ft_compressed"]) and math.isnan(rows[2]["ppl_ft_compressed"])
     assert (tmp_path / "finetune_xkv.csv").is_file()

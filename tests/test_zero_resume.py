@@ -49,14 +49,21 @@ GLOBAL_BATCH = 8
 LOSS_ATOL = 1e-4
 LOGITS_ATOL = 1e-4
 
+
 def overrides(out_dir: Path, world_size: int, *extra: str) -> list[str]:
-    return run_overrides(out_dir, *extra, batch_size=GLOBAL_BATCH // world_size, steps=STEPS,
-                         checkpoint_every=RESUME_AT)
+    return run_overrides(
+        out_dir,
+        *extra,
+        batch_size=GLOBAL_BATCH // world_size,
+        steps=STEPS,
+        checkpoint_every=RESUME_AT,
+    )
 
 
 # ----------------------------------------------------------------------------- data position
-def _global_batches(num_train: int, world: int, batch: int, state: dict | None = None,
-                    n: int = 3) -> list[set[int]]:
+def _global_batches(
+    num_train: int, world: int, batch: int, state: dict | None = None, n: int = 3
+) -> list[set[int]]:
     """The next ``n`` global batches (sample ids over all ranks) of ``world`` samplers, each
     resumed from ``state`` (a saved ``train_position``) when given."""
     dm = LMDataModule(DataConfig(batch_size=batch, seed=5))
@@ -66,7 +73,7 @@ def _global_batches(num_train: int, world: int, batch: int, state: dict | None =
         if state is not None:
             dm.resume_sampler(sampler, state)
         orders.append(list(iter(sampler)))
-    return [{i for order in orders for i in order[k * batch:(k + 1) * batch]} for k in range(n)]
+    return [{i for order in orders for i in order[k * batch : (k + 1) * batch]} for k in range(n)]
 
 
 @pytest.mark.parametrize("world, batch", [(1, 8), (2, 4), (4, 2)])
@@ -74,8 +81,7 @@ def test_data_position_carries_over_to_another_world_size(world, batch):
     """3 batches on 2 ranks x 4, saved; the next global batches on ``world`` x ``batch`` are the
     uninterrupted run's 4th, 5th and 6th."""
     straight = _global_batches(96, world=2, batch=4, n=6)
-    state = {"seed": 5, "batch_size": 4, "num_train": 96, "world_size": 2, "epoch": 0,
-             "batches": 3}
+    state = {"seed": 5, "batch_size": 4, "num_train": 96, "world_size": 2, "epoch": 0, "batches": 3}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an exact position: nothing to warn about
         resumed = _global_batches(96, world=world, batch=batch, state=state)
@@ -85,8 +91,7 @@ def test_data_position_carries_over_to_another_world_size(world, batch):
 
 def test_data_position_not_divisible_by_the_new_world_size_warns():
     # 2 ranks x 3 sequences x 1 batch = 6 samples done; 4 ranks cannot start at sample 6.
-    state = {"seed": 5, "batch_size": 3, "num_train": 96, "world_size": 2, "epoch": 0,
-             "batches": 1}
+    state = {"seed": 5, "batch_size": 3, "num_train": 96, "world_size": 2, "epoch": 0, "batches": 1}
     dm = LMDataModule(DataConfig(batch_size=3, seed=5))
     sampler = SeededSampler(list(range(96)), seed=5, num_replicas=4, rank=0)
     with pytest.warns(UserWarning, match="after 6 samples .* 2 samples are trained again"):
@@ -127,8 +132,11 @@ def test_state_outside_the_optimizer_comes_back_from_the_saved_module(tmp_path):
     assert _non_optimizer_state(Net()) == ["frozen", "bias"]
     universal = tmp_path / "ckpt" / "universal"
     universal.mkdir(parents=True)
-    saved = {"trained": torch.full((3,), 9.0), "frozen": torch.tensor([1.0, 2.0]),
-             "bias": torch.arange(4.0)}
+    saved = {
+        "trained": torch.full((3,), 9.0),
+        "frozen": torch.tensor([1.0, 2.0]),
+        "bias": torch.arange(4.0),
+    }
     torch.save({"module": saved}, universal / "mp_rank_00_model_states.pt")
     net = Net()
     _restore_non_optimizer_state(net, tmp_path / "ckpt")
@@ -176,10 +184,17 @@ def _check_continues(straight: dict, out: Path, world: int) -> dict[int, float]:
         assert len({r["weights"] for r in ranks.values()}) == 1, step  # ranks in lockstep
     resumed = mean_losses(record, world_size=world)
     for step in resumed:
-        assert abs(resumed[step] - straight["losses"][step]) <= LOSS_ATOL, (step, resumed,
-                                                                              straight["losses"])
-    torch.testing.assert_close(_probe_logits(out / "run" / "checkpoints" / "last.ckpt"),
-                               straight["logits"], rtol=0, atol=LOGITS_ATOL)
+        assert abs(resumed[step] - straight["losses"][step]) <= LOSS_ATOL, (
+            step,
+            resumed,
+            straight["losses"],
+        )
+    torch.testing.assert_close(
+        _probe_logits(out / "run" / "checkpoints" / "last.ckpt"),
+        straight["logits"],
+        rtol=0,
+        atol=LOGITS_ATOL,
+    )
     return resumed
 
 
@@ -188,8 +203,11 @@ def straight_zero2(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("straight_zero2")
     record = _run(2, out)
     ckpts = out / "run" / "checkpoints"
-    return {"start": ckpts / f"step{RESUME_AT:06d}.ckpt", "losses": mean_losses(record, 2),
-            "logits": _probe_logits(ckpts / "last.ckpt")}
+    return {
+        "start": ckpts / f"step{RESUME_AT:06d}.ckpt",
+        "losses": mean_losses(record, 2),
+        "logits": _probe_logits(ckpts / "last.ckpt"),
+    }
 
 
 @pytest.mark.slow

@@ -21,8 +21,7 @@ def run_interpreter_tests(test_file: str, markers: str, **env_extra: str) -> Non
     if INTERPRETER:
         pytest.skip("already under the interpreter: the interp tests run in this process")
     env = dict(os.environ, TRITON_INTERPRET="1", **env_extra)
-    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider",
-           "-m", markers]  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-m", markers]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (
         f"interpreter tests failed:\n{res.stdout[-8000:]}\n{res.stderr[-2000:]}"

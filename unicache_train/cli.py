@@ -67,8 +67,11 @@ def fit(
     """
     from unicache_train.train.run import fit as run_fit
 
-    run_fit(RunConfig(model=model, data=data, train=train, logging=logging, monitor=monitor,
-                      compress=compress))  # fmt: skip
+    run_fit(
+        RunConfig(
+            model=model, data=data, train=train, logging=logging, monitor=monitor, compress=compress
+        )
+    )
 
 
 def vlm(
@@ -101,8 +104,17 @@ def vlm(
     """
     from unicache_train.train.vlm import VLMRunConfig, fit_vlm
 
-    fit_vlm(VLMRunConfig(model=model, vision=vision, data=data, train=train, logging=logging,
-                         monitor=monitor, compress=compress))  # fmt: skip
+    fit_vlm(
+        VLMRunConfig(
+            model=model,
+            vision=vision,
+            data=data,
+            train=train,
+            logging=logging,
+            monitor=monitor,
+            compress=compress,
+        )
+    )
 
 
 #: ``evaluate --logger`` values (None: no logger).
@@ -139,11 +151,14 @@ def evaluate(
     from unicache_train.eval.perplexity import evaluate_perplexity
 
     if logger not in EVAL_LOGGERS:  # before any work, not after the perplexity pass
-        raise ConfigError(f"evaluate --logger={logger!r} is not allowed; choose one of "
-                          f"{list(EVAL_LOGGERS[1:])}")
+        raise ConfigError(
+            f"evaluate --logger={logger!r} is not allowed; choose one of {list(EVAL_LOGGERS[1:])}"
+        )
     if isinstance(limit_batches, bool) or not isinstance(limit_batches, int) or limit_batches < 1:
-        raise ConfigError(f"evaluate --limit_batches={limit_batches!r} is out of range; allowed "
-                          "an integer in [1, inf)")
+        raise ConfigError(
+            f"evaluate --limit_batches={limit_batches!r} is out of range; allowed "
+            "an integer in [1, inf)"
+        )
     if sweep is not None:  # before the sweep, not after it
         from unicache_train.preflight import check_output_dir
 
@@ -153,24 +168,33 @@ def evaluate(
     dm = LMDataModule(data_cfg)
     dm.setup("validate")
     result = evaluate_perplexity(model, dm.val_dataloader(), limit_batches)
-    print(f"val loss {result.loss:.4f}  ppl {result.ppl:.3f}  "
-          f"({result.tokens} tokens, {result.batches} batches)")
+    print(
+        f"val loss {result.loss:.4f}  ppl {result.ppl:.3f}  "
+        f"({result.tokens} tokens, {result.batches} batches)"
+    )
     out: dict[str, Any] = {"loss": result.loss, "ppl": result.ppl}
     if sweep is not None:
         out["sweep"] = _evaluate_compression(model, config, data_cfg, dm, sweep, logger)
     return out
 
 
-def _evaluate_compression(model, config: RunConfig, data: DataConfig, dm,
-                          options: CompressionEvalConfig, logger: str | None) -> list[dict]:
+def _evaluate_compression(
+    model,
+    config: RunConfig,
+    data: DataConfig,
+    dm,
+    options: CompressionEvalConfig,
+    logger: str | None,
+) -> list[dict]:
     from unicache_train.compress.presets import preset
     from unicache_train.eval.report import format_table, write_outputs
     from unicache_train.eval.sweep import evaluate_compression
 
     base = preset(options.preset) if options.preset is not None else config.compress.unicache
     sink = _eval_logger(logger, options.out_dir, options.name)
-    rows = evaluate_compression(model, dm.tokenizer, data, base, options, logger=sink,
-                                loader=dm.val_dataloader())
+    rows = evaluate_compression(
+        model, dm.tokenizer, data, base, options, logger=sink, loader=dm.val_dataloader()
+    )
     print(format_table(rows))
     csv_path, png_path = write_outputs(rows, options.out_dir, options.name)
     print(f"wrote {csv_path} and {png_path}")
@@ -197,10 +221,16 @@ def _eval_logger(kind: str | None, out_dir: str, name: str):
         os.environ.setdefault("WANDB_MODE", "offline")
         os.environ.setdefault("WANDB_SILENT", "true")
         mode = os.environ["WANDB_MODE"]
-        return WandbLogger(project="unicache_train", name=name, save_dir=out_dir,
-                           offline=mode == "offline", mode=mode)
-    raise ConfigError(f"evaluate --logger={kind!r} is not allowed; choose csv, tensorboard, "
-                      "wandb or none")
+        return WandbLogger(
+            project="unicache_train",
+            name=name,
+            save_dir=out_dir,
+            offline=mode == "offline",
+            mode=mode,
+        )
+    raise ConfigError(
+        f"evaluate --logger={kind!r} is not allowed; choose csv, tensorboard, wandb or none"
+    )
 
 
 def generate(
@@ -251,9 +281,16 @@ def generate(
         from unicache_train.serve import generate_from_export
 
         result = generate_from_export(
-            export, prompt, compressed=compressed, chat=chat, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_k=top_k, seed=seed, trust_remote_code=trust_remote_code,
-        )  # fmt: skip
+            export,
+            prompt,
+            compressed=compressed,
+            chat=chat,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+        )
         print(prompt + result.text)
         print(result.summary(), file=sys.stderr)
         return result.text
@@ -266,20 +303,27 @@ def generate(
     model, config = load_checkpoint(checkpoint)
     tok = load_tokenizer(config.data.tokenizer)
     ids = torch.tensor([tok.encode(prompt, add_bos=True)])
-    check_positions(ids.shape[1], max_new_tokens, config.model.max_position_embeddings,
-                    checkpoint)
+    check_positions(ids.shape[1], max_new_tokens, config.model.max_position_embeddings, checkpoint)
     gen = torch.Generator().manual_seed(seed)
-    out = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                         eos_token_id=tok.eos_token_id, generator=gen)
-    text = tok.decode(out[0, ids.shape[1]:].tolist())
+    out = model.generate(
+        ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        eos_token_id=tok.eos_token_id,
+        generator=gen,
+    )
+    text = tok.decode(out[0, ids.shape[1] :].tolist())
     print(prompt + text)
     return text
 
 
 def _check_generate_options(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
     """Refuse bad ``generate`` options before the checkpoint is loaded (named, with the range)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
-        max_new_tokens < 0
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or (max_new_tokens < 0)
     ):
         raise ConfigError(
             f"generate --max_new_tokens={max_new_tokens!r} is out of range; allowed an integer "
@@ -289,8 +333,7 @@ def _check_generate_options(max_new_tokens: int, temperature: float, top_k: int 
         math.isfinite(temperature) and temperature >= 0
     ):
         raise ConfigError(
-            f"generate --temperature={temperature!r} is out of range; allowed [0, inf) "
-            "(0 = greedy)"
+            f"generate --temperature={temperature!r} is out of range; allowed [0, inf) (0 = greedy)"
         )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ConfigError(
@@ -328,8 +371,15 @@ def export(
     """
     from unicache_train.checkpoint.export import export_checkpoint
 
-    path = export_checkpoint(checkpoint, out, format=format, family=family, dtype=dtype,
-                             with_compression_config=compression_config, overwrite=overwrite)
+    path = export_checkpoint(
+        checkpoint,
+        out,
+        format=format,
+        family=family,
+        dtype=dtype,
+        with_compression_config=compression_config,
+        overwrite=overwrite,
+    )
     print(f"wrote {path}")
     return str(path)
 
@@ -369,9 +419,18 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from unicache_train.checkpoint.safe_load import UnsafeCheckpointError
     from unicache_train.checkpoint.trust import RemoteCodeError
 
-    return (ConfigError, FileNotFoundError, HFCheckpointError, DeepseekV3ExportError,
-            UnsafeCheckpointError, IntegrityError, CheckpointError, NonFiniteError, WriteError,
-            RemoteCodeError)
+    return (
+        ConfigError,
+        FileNotFoundError,
+        HFCheckpointError,
+        DeepseekV3ExportError,
+        UnsafeCheckpointError,
+        IntegrityError,
+        CheckpointError,
+        NonFiniteError,
+        WriteError,
+        RemoteCodeError,
+    )
 
 
 def user_error(err: BaseException) -> BaseException | None:
@@ -396,9 +455,14 @@ T = TypeVar("T")
 
 #: The commands, in ``--help`` order. ``pretrain`` is ``fit`` under the name the recipes use.
 COMMANDS: dict[str, Callable[..., Any]] = {
-    "fit": fit, "pretrain": fit, "vlm": vlm, "evaluate": evaluate, "generate": generate,
-    "export": export, "fetch": fetch,
-}  # fmt: skip
+    "fit": fit,
+    "pretrain": fit,
+    "vlm": vlm,
+    "evaluate": evaluate,
+    "generate": generate,
+    "export": export,
+    "fetch": fetch,
+}
 
 
 #: Commands whose sections together are one run config: ``--print_config`` prints it.
@@ -458,8 +522,15 @@ def _parse(command: str, argv: Sequence[str]) -> tuple[dict[str, Any], bool]:
     bools = [f"--{name}" for name, hint in options.items() if hint is bool]
     texts = [f"--{name}" for name, hint in options.items() if str in (hint, *typing.get_args(hint))]
     doc = inspect.getdoc(fn)
-    data = parse_args(args, described, doc=doc, usage=f"unicache-train {command}", flags=flags,
-                      bool_flags=bools, text_flags=texts)  # fmt: skip
+    data = parse_args(
+        args,
+        described,
+        doc=doc,
+        usage=f"unicache-train {command}",
+        flags=flags,
+        bool_flags=bools,
+        text_flags=texts,
+    )
     given = data.pop(command, None) or {}
     if not isinstance(given, dict):
         raise ConfigError(f"{command}: expected --NAME VALUE options, got {given!r}")
@@ -514,11 +585,14 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``unicache-train`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print("usage: unicache-train COMMAND [--config FILE.yaml] [--OPTION VALUE ...] "
-              "[section.field=value ...]\n\ncommands: " + ", ".join(COMMANDS)
-              + "\n\nunicache_train: mHC hyper-connections and compression-aware KV-cache "
-              "fine-tuning. `unicache-train COMMAND --help` lists a command's options and "
-              "fields.")  # fmt: skip
+        print(
+            "usage: unicache-train COMMAND [--config FILE.yaml] [--OPTION VALUE ...] "
+            "[section.field=value ...]\n\ncommands: "
+            + ", ".join(COMMANDS)
+            + "\n\nunicache_train: mHC hyper-connections and compression-aware KV-cache "
+            "fine-tuning. `unicache-train COMMAND --help` lists a command's options and "
+            "fields."
+        )
         raise SystemExit(0 if args else 2)
     command, rest = args[0], args[1:]
 

@@ -86,8 +86,9 @@ def build_compressor(
         from unicache_train.compress.retention import attach_retention
 
         policy = attach_retention(model)
-        return UniCacheCompressor(UniCacheConfig.from_dict(cfg.to_dict()), retention=policy,
-                                  curriculum_steps=steps)  # fmt: skip
+        return UniCacheCompressor(
+            UniCacheConfig.from_dict(cfg.to_dict()), retention=policy, curriculum_steps=steps
+        )
     if config.method == "unicache":
         return UniCacheCompressor(UniCacheConfig.from_dict(cfg.to_dict()), curriculum_steps=steps)
     from unicache_train.compress.xkv import XKVCompressor
@@ -244,8 +245,11 @@ def inloop_loss(
     split = sample_splits(
         labels, batch.get("split"), mode=split_mode, min_context=min_context, generator=generator
     )  # [B]
-    kwargs: dict[str, Any] = {"split": split, "compressor": compressor,
-                              "reference_logits": kl_weight > 0}  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "split": split,
+        "compressor": compressor,
+        "reference_logits": kl_weight > 0,
+    }
     if step is not None:
         kwargs["step"] = step
     out = forward(batch, **kwargs)
@@ -254,8 +258,9 @@ def inloop_loss(
     mask = cont if loss_on == "continuation" else torch.ones_like(cont)
     loss, kl = lm, None
     if kl_weight > 0:
-        kl = compression_kl(out.reference_logits, out.logits, cont & (labels != IGNORE_INDEX),
-                            kl_temperature)  # fmt: skip
+        kl = compression_kl(
+            out.reference_logits, out.logits, cont & (labels != IGNORE_INDEX), kl_temperature
+        )
         loss = lm + kl_weight * kl
     terms = [st["aux_loss"] for st in out.compression_stats if "aux_loss" in st]
     aux = torch.stack(terms).mean() if terms else None

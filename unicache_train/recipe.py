@@ -80,8 +80,15 @@ def parse_recipe_args(
 ) -> dict[str, Any]:
     """A recipe's command line -> its config as one nested mapping
     (:func:`unicache_train.commandline.parse_args` with the recipe's YAML as the default)."""
-    return parse_args(argv, sections, doc=doc, usage=_usage(default_yaml),
-                      default_yaml=default_yaml, flags=flags, defaults=defaults)  # fmt: skip
+    return parse_args(
+        argv,
+        sections,
+        doc=doc,
+        usage=_usage(default_yaml),
+        default_yaml=default_yaml,
+        flags=flags,
+        defaults=defaults,
+    )
 
 
 def recipe_help(
@@ -115,8 +122,11 @@ def command_line(recipe: str, args: Sequence[str]) -> str:
     """The shell command that runs ``recipes/<recipe>.py`` with ``args`` (``OMP_NUM_THREADS``
     included when set: it changes the wall times on a shared CPU)."""
     omp = os.environ.get("OMP_NUM_THREADS")
-    return ((f"OMP_NUM_THREADS={omp} " if omp else "") + f"python recipes/{recipe}.py " +
-            shlex.join(args)).rstrip()  # fmt: skip
+    return (
+        (f"OMP_NUM_THREADS={omp} " if omp else "")
+        + f"python recipes/{recipe}.py "
+        + shlex.join(args)
+    ).rstrip()
 
 
 def results_header(command: str, seconds: float) -> list[str]:

@@ -227,10 +227,20 @@ class LowRankKV:
             return None if x is None else x.detach()
 
         return LowRankKV(
-            self.token_k.detach(), self.layer_k.detach(), self.rank_k, d(self.token_v),
-            d(self.layer_v), self.rank_v, self.num_heads, self.head_dim, self.value_dim,
-            self.owner, self.pre_rope, self.group, self.rope,
-        )  # fmt: skip
+            self.token_k.detach(),
+            self.layer_k.detach(),
+            self.rank_k,
+            d(self.token_v),
+            d(self.layer_v),
+            self.rank_v,
+            self.num_heads,
+            self.head_dim,
+            self.value_dim,
+            self.owner,
+            self.pre_rope,
+            self.group,
+            self.rope,
+        )
 
 
 @dataclass
@@ -631,9 +641,15 @@ def segment_kv_bytes(
     else:
         heads = torch.full((B,), H, device=segment.valid.device)
     return stored_kv_bytes(
-        segment.valid, heads, segment.keys.shape[-1], segment.values.shape[-1],
-        quant=segment.quant, lowrank=segment.lowrank, latent=latent, dtype_bytes=dtype_bytes,
-    )  # fmt: skip
+        segment.valid,
+        heads,
+        segment.keys.shape[-1],
+        segment.values.shape[-1],
+        quant=segment.quant,
+        lowrank=segment.lowrank,
+        latent=latent,
+        dtype_bytes=dtype_bytes,
+    )
 
 
 def pooled_kv_bytes(

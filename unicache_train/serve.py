@@ -15,8 +15,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["GenerationResult", "load_export", "generate_from_export", "prompt_kv_bytes",
-           "check_positions"]
+__all__ = [
+    "GenerationResult",
+    "load_export",
+    "generate_from_export",
+    "prompt_kv_bytes",
+    "check_positions",
+]
 
 
 @dataclass
@@ -63,8 +68,13 @@ class GenerationResult:
         )
 
 
-def load_export(export: str | Path, *, compressed: bool, dtype: torch.dtype = torch.float32,
-                trust_remote_code: bool = False):
+def load_export(
+    export: str | Path,
+    *,
+    compressed: bool,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+):
     """(model, tokenizer) of an export directory; with ``compressed`` the model attends through
     the compressed cache's registered attention.
 
@@ -81,15 +91,19 @@ def load_export(export: str | Path, *, compressed: bool, dtype: torch.dtype = to
     remote = check_export_dir(export, trust_remote_code=trust_remote_code)
     attn = ATTN_IMPLEMENTATION if compressed else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(
-        export, attn_implementation=attn, trust_remote_code=remote, dtype=dtype,
+        export,
+        attn_implementation=attn,
+        trust_remote_code=remote,
+        dtype=dtype,
         use_safetensors=True,
     ).eval()
     tok = AutoTokenizer.from_pretrained(export, trust_remote_code=trust_remote_code)
     return model, tok
 
 
-def check_positions(prompt_tokens: int, max_new_tokens: int, positions: int | None,
-                    source: Any) -> None:
+def check_positions(
+    prompt_tokens: int, max_new_tokens: int, positions: int | None, source: Any
+) -> None:
     """Refuse a prompt that, with the tokens to generate, needs more positions than the model
     has (``max_position_embeddings``; None: unbounded).
 
@@ -151,15 +165,17 @@ def generate_from_export(
 
     from unicache_train.transformers_cache import CACHE_ARGUMENT, CompressedCache
 
-    model, tok = model_and_tokenizer or load_export(export, compressed=compressed,
-                                                    trust_remote_code=trust_remote_code)
+    model, tok = model_and_tokenizer or load_export(
+        export, compressed=compressed, trust_remote_code=trust_remote_code
+    )
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if chat:
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"--chat: the export {export} has no chat template")
         prompts = [
-            tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                    add_generation_prompt=True)  # fmt: skip
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
             for p in prompts
         ]
     tok.padding_side = "left"
@@ -167,8 +183,9 @@ def generate_from_export(
         tok.pad_token = tok.eos_token
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
     lens = enc["attention_mask"].sum(1).tolist()
-    check_positions(max(lens), max_new_tokens,
-                    getattr(model.config, "max_position_embeddings", None), export)
+    check_positions(
+        max(lens), max_new_tokens, getattr(model.config, "max_position_embeddings", None), export
+    )
     if compressed:
         cache = CompressedCache.from_pretrained(export)
         method = (cache.policy or {}).get("method", "none")
@@ -184,7 +201,7 @@ def generate_from_export(
     t0 = time.perf_counter()
     out = model.generate(**enc, **{CACHE_ARGUMENT: cache}, **kwargs)
     seconds = time.perf_counter() - t0
-    new = out[:, enc["input_ids"].shape[1]:]
+    new = out[:, enc["input_ids"].shape[1] :]
     texts = tok.batch_decode(new, skip_special_tokens=True)
     baseline = prompt_kv_bytes(model.config, sum(lens))
     kv = cache.kv_bytes() if compressed else baseline

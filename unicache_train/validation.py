@@ -102,9 +102,11 @@ def _yaml_error(err: yaml.YAMLError, source: str | Path | None) -> str:
         where += f": line {mark.line + 1}, column {mark.column + 1}"
     problem = getattr(err, "problem", None) or str(err).splitlines()[0]
     if isinstance(err, yaml.constructor.ConstructorError) and "tag" in problem:
-        return (f"{where}: {problem.split(' for the tag ')[-1].strip()} is refused: configs "
-                "are plain data (mappings, lists, strings, numbers, booleans); a tag that builds "
-                "objects could run code")
+        return (
+            f"{where}: {problem.split(' for the tag ')[-1].strip()} is refused: configs "
+            "are plain data (mappings, lists, strings, numbers, booleans); a tag that builds "
+            "objects could run code"
+        )
     return f"{where}: invalid YAML ({problem})"
 
 

@@ -28,9 +28,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--out", default="experiments/gemma3/results/compress_probe.csv")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--settings", default="none,int8@0.5,int4@0.5",
-                        help="comma-separated: none, or QUANT@RATE with QUANT in none/int8/int4 "
-                             "(UniCache text preset at removal RATE)")  # fmt: skip
+    parser.add_argument(
+        "--settings",
+        default="none,int8@0.5,int4@0.5",
+        help="comma-separated: none, or QUANT@RATE with QUANT in none/int8/int4 "
+        "(UniCache text preset at removal RATE)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -53,8 +56,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             settings["none"] = IdentityCompressor
             continue
         quant, _, rate = spec.partition("@")
-        settings[f"unicache {quant} rate {float(rate)}"] = (
-            lambda q=quant, r=float(rate): UniCacheCompressor(text_unicache(r, 0, q))
+        settings[f"unicache {quant} rate {float(rate)}"] = lambda q=quant, r=float(rate): (
+            UniCacheCompressor(text_unicache(r, 0, q))
         )
     full = [i for i in range(config.num_hidden_layers) if not config.is_sliding_layer(i)]
     rows = []
@@ -72,20 +75,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
         hd = config.head_size
         g_stored = sum(cache.segments[i].payload_bytes() for i in full)
         g_base = sum(cache.segments[i].baseline_bytes(hd, hd) for i in full)
-        rows.append({
-            "model": "gemma-3-270m (Q4_K_M, dequantized)", "setting": name,
-            "recall": r.accuracy, "recall_se": r.stderr, "n": r.n,
-            "kv_reduction_whole_cache": r.kv_reduction,
-            "kv_reduction_global_layers": g_base / max(g_stored, 1),
-            "context_tokens_mean": float(split.float().mean()),
-            "seconds": round(time.time() - t0, 1),
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": "gemma-3-270m (Q4_K_M, dequantized)",
+                "setting": name,
+                "recall": r.accuracy,
+                "recall_se": r.stderr,
+                "n": r.n,
+                "kv_reduction_whole_cache": r.kv_reduction,
+                "kv_reduction_global_layers": g_base / max(g_stored, 1),
+                "context_tokens_mean": float(split.float().mean()),
+                "seconds": round(time.time() - t0, 1),
+            }
+        )
         print(rows[-1], flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
-        f.write("# command: " + " ".join(["python experiments/gemma3/gemma3_compress_probe.py",
-                                          *(argv or sys.argv[1:])]) + "\n")  # fmt: skip
+        f.write(
+            "# command: "
+            + " ".join(
+                ["python experiments/gemma3/gemma3_compress_probe.py", *(argv or sys.argv[1:])]
+            )
+            + "\n"
+        )
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)

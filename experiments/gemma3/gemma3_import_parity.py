@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> dict:
         "long_past_window": long_text,
     }
     result: dict = {
-        "command": " ".join(["python experiments/gemma3/gemma3_import_parity.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(
+            ["python experiments/gemma3/gemma3_import_parity.py", *(argv or sys.argv[1:])]
+        ),
         "checkpoint": str(ckpt),
         "config": {
             "num_hidden_layers": config.num_hidden_layers,
@@ -56,8 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
             "num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_key_value_heads,
             "sliding_window": config.sliding_window,
-            "sliding_layers": sum(config.is_sliding_layer(i)
-                                  for i in range(config.num_hidden_layers)),
+            "sliding_layers": sum(
+                config.is_sliding_layer(i) for i in range(config.num_hidden_layers)
+            ),
             "rope_theta": config.rope_theta,
             "rope_local_theta": config.rope_local_theta,
             "query_pre_attn_scalar": config.query_pre_attn_scalar,
@@ -87,11 +90,17 @@ def main(argv: list[str] | None = None) -> dict:
     for text in gen_prompts:
         x = torch.tensor([tok.encode(text, add_bos=True)])
         with torch.no_grad():
-            mine = ours.generate(x, args.new_tokens)[0, x.shape[1]:].tolist()
-            theirs = ref.generate(x, max_new_tokens=args.new_tokens, do_sample=False,
-                                  min_new_tokens=args.new_tokens)[0, x.shape[1]:].tolist()
-        row = {"prompt": text, "ours": mine, "transformers": theirs, "equal": mine == theirs,
-               "text_ours": tok.decode(mine)}  # fmt: skip
+            mine = ours.generate(x, args.new_tokens)[0, x.shape[1] :].tolist()
+            theirs = ref.generate(
+                x, max_new_tokens=args.new_tokens, do_sample=False, min_new_tokens=args.new_tokens
+            )[0, x.shape[1] :].tolist()
+        row = {
+            "prompt": text,
+            "ours": mine,
+            "transformers": theirs,
+            "equal": mine == theirs,
+            "text_ours": tok.decode(mine),
+        }
         result["greedy"].append(row)
         print(row, flush=True)
     result["seconds"] = round(time.time() - t0, 1)

@@ -67,11 +67,26 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"
 RULES = {"a": "kv", "b": "k", "c": "none", "b'": "k"}  # b': equal merge weights
 COLUMNS = (
-    "rule", "merge_rescale", "target_rate", "layer", "realized_rate", "merged_fraction",
-    "evicted_fraction", "rel_err", "rel_err_merged", "ppl", "ppl_delta", "output_kl",
-    "attn_kl", "d_nll_vs_b", "d_nll_se", "d_output_kl_vs_b", "d_output_kl_se", "train_steps",
+    "rule",
+    "merge_rescale",
+    "target_rate",
+    "layer",
+    "realized_rate",
+    "merged_fraction",
+    "evicted_fraction",
+    "rel_err",
+    "rel_err_merged",
+    "ppl",
+    "ppl_delta",
+    "output_kl",
+    "attn_kl",
+    "d_nll_vs_b",
+    "d_nll_se",
+    "d_output_kl_vs_b",
+    "d_output_kl_se",
+    "train_steps",
     "val_batches",
-)  # fmt: skip
+)
 
 
 # --------------------------------------------------------------------------------- the model
@@ -103,8 +118,10 @@ def pretrained_tiny(steps: int, seed: int) -> tuple[Decoder, RunConfig]:
             opt.step()
             step += 1
             if step % 50 == 0 or step == steps:
-                print(f"step {step}/{steps} loss {loss.item():.3f} "
-                      f"({time.perf_counter() - t0:.0f}s)", flush=True)
+                print(
+                    f"step {step}/{steps} loss {loss.item():.3f} ({time.perf_counter() - t0:.0f}s)",
+                    flush=True,
+                )
     cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), cache)
     return model.eval(), cfg
@@ -194,11 +211,18 @@ def layer_errors(inp: CompressionInput, seg: KVSegment, split: torch.Tensor) -> 
         k, v = inp.keys[b, :, :s], inp.values[b, :, :s]  # [Hk, s, D] original context
         ref = _continuation_out(inp, b, s, k, v, torch.zeros(1, s))
         stands = seg.assignment[b, :s] >= 0  # [s] kept or merged (not evicted)
-        ref_m = _continuation_out(inp, b, s, k[:, stands], v[:, stands],
-                                  torch.zeros(1, int(stands.sum())))
+        ref_m = _continuation_out(
+            inp, b, s, k[:, stands], v[:, stands], torch.zeros(1, int(stands.sum()))
+        )
         keep = seg.valid[b]
-        comp = _continuation_out(inp, b, s, seg.keys[b][:, keep], seg.values[b][:, keep],
-                                 torch.log(seg.counts[b, keep].double())[None])
+        comp = _continuation_out(
+            inp,
+            b,
+            s,
+            seg.keys[b][:, keep],
+            seg.values[b][:, keep],
+            torch.log(seg.counts[b, keep].double())[None],
+        )
         errs_all.append(((comp - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)).flatten())
         errs_merged.append(
             ((comp - ref_m).norm(dim=-1) / ref_m.norm(dim=-1).clamp_min(1e-12)).flatten()
@@ -215,13 +239,15 @@ def attention_stats(model, batch, split, rule: str, rate: float) -> list[dict[st
     for layer in range(model.config.num_hidden_layers):
         inp, seg = rec.calls[layer]
         e_all, e_merged = layer_errors(inp, seg, split)
-        out.append({
-            "rel_err": e_all,
-            "rel_err_merged": e_merged,
-            "realized_rate": float(seg.stats["rate_realized"]),
-            "merged_fraction": float(seg.stats["merged_fraction"]),
-            "evicted_fraction": float(seg.stats["evicted_fraction"]),
-        })
+        out.append(
+            {
+                "rel_err": e_all,
+                "rel_err_merged": e_merged,
+                "realized_rate": float(seg.stats["rate_realized"]),
+                "merged_fraction": float(seg.stats["merged_fraction"]),
+                "evicted_fraction": float(seg.stats["evicted_fraction"]),
+            }
+        )
     return out
 
 
@@ -229,22 +255,33 @@ def measure_batch(model, dm, cfg, batch, i: int, rule: str, rates, opts) -> list
     """Quality (evaluate_compression on this batch alone) and per-layer attention stats, per
     rate. Batch ``i`` draws its splits from ``split_seed = i`` in both."""
     o = dataclasses.replace(opts, split_seed=i, limit_batches=1)
-    rows = evaluate_compression(model, dm.tokenizer, cfg.data, study_config(rule, 0.0), o,
-                                loader=[batch])
+    rows = evaluate_compression(
+        model, dm.tokenizer, cfg.data, study_config(rule, 0.0), o, loader=[batch]
+    )
     labels = batch["labels"]
-    split = sample_splits(labels, batch.get("split"), min_context=o.min_context,
-                          generator=step_generator(o.split_seed, 0))  # as evaluate_compression
+    split = sample_splits(
+        labels,
+        batch.get("split"),
+        min_context=o.min_context,
+        generator=step_generator(o.split_seed, 0),
+    )  # as evaluate_compression
     T = labels.shape[1]
     labelled = labels != IGNORE_INDEX
     n_tok = int((continuation_mask(split, T) & labelled).sum())  # targets of its NLL and KL
     n_q = int(((torch.arange(T)[None] >= split[:, None]) & labelled).sum())  # its attn-KL queries
     out = []
     for rate, q in zip(rates, rows[1:]):
-        out.append({
-            "nll": math.log(q["ppl"]), "nll_plain": math.log(rows[0]["ppl"]),
-            "output_kl": q["output_kl"], "attn_kl": q["attn_kl"], "n_tok": n_tok, "n_q": n_q,
-            "layers": attention_stats(model, batch, split, rule, rate),
-        })
+        out.append(
+            {
+                "nll": math.log(q["ppl"]),
+                "nll_plain": math.log(rows[0]["ppl"]),
+                "output_kl": q["output_kl"],
+                "attn_kl": q["attn_kl"],
+                "n_tok": n_tok,
+                "n_q": n_q,
+                "layers": attention_stats(model, batch, split, rule, rate),
+            }
+        )
     return out
 
 
@@ -259,7 +296,8 @@ def aggregate(per_batch: list[dict], ref: list[dict] | None) -> dict[str, float]
 
     nll, plain = (col(per_batch, k) @ w / w.sum() for k in ("nll", "nll_plain"))
     out = {
-        "ppl": math.exp(nll), "ppl_delta": math.exp(nll - plain) - 1.0,
+        "ppl": math.exp(nll),
+        "ppl_delta": math.exp(nll - plain) - 1.0,
         "output_kl": float(col(per_batch, "output_kl") @ w / w.sum()),
         "attn_kl": float(col(per_batch, "attn_kl") @ wq / wq.sum()),
     }
@@ -275,8 +313,11 @@ def aggregate(per_batch: list[dict], ref: list[dict] | None) -> dict[str, float]
 # --------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", default=None, help="a Lightning .ckpt of ours (default: "
-                    "pretrain the tiny recipe model here)")
+    ap.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a Lightning .ckpt of ours (default: pretrain the tiny recipe model here)",
+    )
     ap.add_argument("--steps", type=int, default=300, help="pretraining steps of the tiny model")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rates", type=float, nargs="+", default=[0.3, 0.6])
@@ -292,8 +333,10 @@ def main() -> None:
     runs = {}  # rule name -> [batch][rate] measurements
     for name, rule in RULES.items():
         with equal_merge_weights(name == "b'"):
-            runs[name] = [measure_batch(model, dm, cfg, batch, i, rule, args.rates, opts)
-                          for i, batch in enumerate(batches)]
+            runs[name] = [
+                measure_batch(model, dm, cfg, batch, i, rule, args.rates, opts)
+                for i, batch in enumerate(batches)
+            ]
         print(f"rule ({name}) {rule} measured ({time.perf_counter() - t0:.0f}s)", flush=True)
     out_rows = []
     L = model.config.num_hidden_layers
@@ -301,31 +344,45 @@ def main() -> None:
         for j, rate in enumerate(args.rates):
             per_batch = [b[j] for b in runs[name]]
             ref = [b[j] for b in runs["b"]] if name != "b" else None
-            base = {"rule": name, "merge_rescale": rule, "target_rate": rate,
-                    "train_steps": 0 if args.checkpoint else args.steps,
-                    "val_batches": len(batches)}
-            layers = [{k: sum(b["layers"][li][k] for b in per_batch) / len(per_batch)
-                       for k in per_batch[0]["layers"][0]} for li in range(L)]
+            base = {
+                "rule": name,
+                "merge_rescale": rule,
+                "target_rate": rate,
+                "train_steps": 0 if args.checkpoint else args.steps,
+                "val_batches": len(batches),
+            }
+            layers = [
+                {
+                    k: sum(b["layers"][li][k] for b in per_batch) / len(per_batch)
+                    for k in per_batch[0]["layers"][0]
+                }
+                for li in range(L)
+            ]
             for li, lay in enumerate(layers):
                 out_rows.append({**base, "layer": li, **lay})
             mean = {k: sum(lay[k] for lay in layers) / L for k in layers[0]}
             m = {**base, "layer": "mean", **mean, **aggregate(per_batch, ref)}
             out_rows.append(m)
-            print(f"({name:2}) {rule:>4} rate {rate:g}: realized {m['realized_rate']:.3f} "
-                  f"merged {m['merged_fraction']:.3f} rel_err {m['rel_err']:.4f} "
-                  f"rel_err_merged {m['rel_err_merged']:.5f} ppl {m['ppl']:.4f} "
-                  f"({100 * m['ppl_delta']:+.2f}%) out_kl {m['output_kl']:.5f} "
-                  f"d_nll {m.get('d_nll_vs_b', 0.0):+.5f} +- {m.get('d_nll_se', 0.0):.5f}",
-                  flush=True)
+            print(
+                f"({name:2}) {rule:>4} rate {rate:g}: realized {m['realized_rate']:.3f} "
+                f"merged {m['merged_fraction']:.3f} rel_err {m['rel_err']:.4f} "
+                f"rel_err_merged {m['rel_err_merged']:.5f} ppl {m['ppl']:.4f} "
+                f"({100 * m['ppl_delta']:+.2f}%) out_kl {m['output_kl']:.5f} "
+                f"d_nll {m.get('d_nll_vs_b', 0.0):+.5f} +- {m.get('d_nll_se', 0.0):.5f}",
+                flush=True,
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = "OMP_NUM_THREADS=1 python experiments/merge_rule/merge_rule_study.py " + " ".join(
         f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in vars(args).items() if v is not None and k != "out"
+        for k, v in vars(args).items()
+        if v is not None and k != "out"
     )
     with out.open("w", newline="") as f:
-        f.write(f"# {cmd}\n# {platform.processor() or platform.machine()}, torch "
-                f"{torch.__version__}, {time.perf_counter() - t0:.0f}s\n")
+        f.write(
+            f"# {cmd}\n# {platform.processor() or platform.machine()}, torch "
+            f"{torch.__version__}, {time.perf_counter() - t0:.0f}s\n"
+        )
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()
         for row in out_rows:

@@ -58,8 +58,10 @@ def records(n: int, seed: int, args) -> list[dict]:
         for old, new in keys.items():
             ctx = ctx.replace(f"{old}: ", f"{new}: ")
         if args.format == "cue":
-            qa = [(f"Q: what is {keys[k]}?\n{keys[k]}: ", v) for k, v in zip(r["questions"],
-                                                                           r["answers"])]
+            qa = [
+                (f"Q: what is {keys[k]}?\n{keys[k]}: ", v)
+                for k, v in zip(r["questions"], r["answers"])
+            ]
         else:
             qa = [(f"Q: what is {keys[k]}? A: ", v) for k, v in zip(r["questions"], r["answers"])]
         text = ctx + "\n".join(q + a for q, a in qa)
@@ -102,9 +104,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     tok = ByteTokenizer()
-    model = Decoder(ModelConfig(vocab_size=260, hidden_size=128, intermediate_size=352,
-                                num_hidden_layers=4, num_attention_heads=4,
-                                num_key_value_heads=2))
+    model = Decoder(
+        ModelConfig(
+            vocab_size=260,
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     held_out = batch(records(64, 7, args), tok, args.seq_len)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -113,14 +122,27 @@ def main() -> None:
     with open(RESULTS, "a", newline="") as f:
         w = csv.writer(f)
         if new_file:
-            w.writerow(["date", "format", "key_length", "facts", "questions", "lr", "step",
-                        "train_loss", "answer_exact_match", "seconds"])
+            w.writerow(
+                [
+                    "date",
+                    "format",
+                    "key_length",
+                    "facts",
+                    "questions",
+                    "lr",
+                    "step",
+                    "train_loss",
+                    "answer_exact_match",
+                    "seconds",
+                ]
+            )
         for step in range(args.steps):
             ids, labels, _ = batch(records(args.batch_size, 1000 + step, args), tok, args.seq_len)
             for g in opt.param_groups:
                 g["lr"] = args.lr * min(1.0, (step + 1) / 30)
-            loss = F.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten(),
-                                   ignore_index=-100)
+            loss = F.cross_entropy(
+                model(ids).logits.flatten(0, 1), labels.flatten(), ignore_index=-100
+            )
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -129,15 +151,31 @@ def main() -> None:
                 with torch.no_grad():
                     ids, labels, spans = held_out
                     pred = model(ids).logits.argmax(-1)
-                    ok = sum(bool((pred[i, a:b] == labels[i, a:b]).all())
-                             for i, (a, b) in enumerate(spans))
+                    ok = sum(
+                        bool((pred[i, a:b] == labels[i, a:b]).all())
+                        for i, (a, b) in enumerate(spans)
+                    )
                 acc = ok / len(spans)
                 secs = time.perf_counter() - t0
-                print(f"step {step + 1:5d}  loss {loss.item():.3f}  answer exact match {acc:.2f}"
-                      f"  {secs:.0f}s", flush=True)
-                w.writerow([dt.datetime.now().isoformat(timespec="seconds"), args.format,
-                            args.key_length, args.facts, args.questions, args.lr, step + 1,
-                            f"{loss.item():.4f}", f"{acc:.3f}", f"{secs:.0f}"])
+                print(
+                    f"step {step + 1:5d}  loss {loss.item():.3f}  answer exact match {acc:.2f}"
+                    f"  {secs:.0f}s",
+                    flush=True,
+                )
+                w.writerow(
+                    [
+                        dt.datetime.now().isoformat(timespec="seconds"),
+                        args.format,
+                        args.key_length,
+                        args.facts,
+                        args.questions,
+                        args.lr,
+                        step + 1,
+                        f"{loss.item():.4f}",
+                        f"{acc:.3f}",
+                        f"{secs:.0f}",
+                    ]
+                )
                 f.flush()
 
 

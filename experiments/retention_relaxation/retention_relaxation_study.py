@@ -91,8 +91,14 @@ def evaluate(model: Decoder, compressor, data: dict[str, torch.Tensor]) -> dict[
 
 def pretrain(steps: int, seed: int) -> Decoder:
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = Decoder(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(seed + 1000)
@@ -113,8 +119,9 @@ def finetune(
     comp = build_compressor(cc, model)  # attaches model.kv_retention for the learned arms
     policy = list(getattr(model, "kv_retention", torch.nn.Module()).parameters())
     rest = [p for n, p in model.named_parameters() if not n.startswith("kv_retention.")]
-    groups = [{"params": rest, "lr": 1e-3}] + ([{"params": policy, "lr": policy_lr}] if policy
-                                               else [])  # fmt: skip
+    groups = [{"params": rest, "lr": 1e-3}] + (
+        [{"params": policy, "lr": policy_lr}] if policy else []
+    )
     opt = torch.optim.AdamW(groups)
     gen = torch.Generator().manual_seed(seed)
     split_gen = torch.Generator().manual_seed(seed + 7)
@@ -142,8 +149,9 @@ def main() -> None:
     ceiling = evaluate(base, build_compressor(CompressionTrainConfig(method="none")), test)
     rows = [{"arm": "uncompressed", "seed": "", "steps": 0, **ceiling, "s_per_step": ""}]
     fixed0 = evaluate(base, build_compressor(compress_config("sinks_recent")), test)
-    rows.append({"arm": "sinks_recent_no_finetune", "seed": "", "steps": 0, **fixed0,
-                 "s_per_step": ""})  # fmt: skip
+    rows.append(
+        {"arm": "sinks_recent_no_finetune", "seed": "", "steps": 0, **fixed0, "s_per_step": ""}
+    )
     arms = {
         "sinks_recent": compress_config("sinks_recent"),
         "gumbel_sigmoid": compress_config("retention", "gumbel_sigmoid"),
@@ -152,8 +160,13 @@ def main() -> None:
     for seed in args.seeds:
         for arm in args.arms:
             model, comp, sps = finetune(base, arms[arm], args.steps, seed, args.policy_lr)
-            row = {"arm": arm, "seed": seed, "steps": args.steps, **evaluate(model, comp, test),
-                   "s_per_step": round(sps, 4)}  # fmt: skip
+            row = {
+                "arm": arm,
+                "seed": seed,
+                "steps": args.steps,
+                **evaluate(model, comp, test),
+                "s_per_step": round(sps, 4),
+            }
             rows.append(row)
             print(row, flush=True)
     machine = f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}"
@@ -164,12 +177,20 @@ def main() -> None:
         )
         w.writeheader()
         for r in rows:
-            w.writerow({**r, "pretrain_steps": args.pretrain_steps, "policy_lr": args.policy_lr,
-                        "machine": machine.strip()})  # fmt: skip
+            w.writerow(
+                {
+                    **r,
+                    "pretrain_steps": args.pretrain_steps,
+                    "policy_lr": args.policy_lr,
+                    "machine": machine.strip(),
+                }
+            )
     print(f"{'arm':26s} {'seed':>4s} {'acc':>6s} {'nll':>7s} {'kept':>5s} {'s/step':>7s}")
     for r in rows:
-        print(f"{r['arm']:26s} {r['seed']!s:>4s} {r['accuracy']:6.3f} {r['nll']:7.3f} "
-              f"{r['kept']:5.2f} {r['s_per_step']!s:>7s}")  # fmt: skip
+        print(
+            f"{r['arm']:26s} {r['seed']!s:>4s} {r['accuracy']:6.3f} {r['nll']:7.3f} "
+            f"{r['kept']:5.2f} {r['s_per_step']!s:>7s}"
+        )
     print(f"wrote {args.out}")
 
 

@@ -57,7 +57,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_common import Case, machine_description, measure_peak_step_bytes  # noqa: E402
 
-STUDY = yaml.safe_load(Path(__file__).with_name("study.yaml").read_text())  # the frozen mix + evaluation
+STUDY = yaml.safe_load(
+    Path(__file__).with_name("study.yaml").read_text()
+)  # the frozen mix + evaluation
 
 
 def training_data(work: Path, ckpt, **data) -> dict:
@@ -72,7 +74,11 @@ def training_data(work: Path, ckpt, **data) -> dict:
 
 
 RECALL_SEED, RECALL_TASK = STUDY["recall_seed"], STUDY["recall_task"]
-TEXT_BLOCK, TEXT_BLOCKS, TEXT_CONTEXT = STUDY["text_block"], STUDY["text_blocks"], STUDY["text_context"]
+TEXT_BLOCK, TEXT_BLOCKS, TEXT_CONTEXT = (
+    STUDY["text_block"],
+    STUDY["text_blocks"],
+    STUDY["text_context"],
+)
 
 OUT = Path(__file__).resolve().parent / "results"
 PROMPTS = (
@@ -131,45 +137,74 @@ def conversion_rows(model, tok, args) -> list[dict[str, Any]]:
 
     ids = [torch.tensor([tok.encode(p)]) for p in PROMPTS]
     ref = [model(x).logits for x in ids]
-    ref_gen = [model.generate(x, args.new_tokens)[0, x.shape[1]:] for x in ids]
+    ref_gen = [model.generate(x, args.new_tokens)[0, x.shape[1] :] for x in ids]
     scale = max(float(r.abs().max()) for r in ref)
 
     def row(name: str, other, greedy: bool = True, note: str = "") -> dict[str, Any]:
-        err = max(float((other(x).logits.double() - r.double()).abs().max())
-                  for x, r in zip(ids, ref))  # fmt: skip
+        err = max(
+            float((other(x).logits.double() - r.double()).abs().max()) for x, r in zip(ids, ref)
+        )
         agree = total = 0
         if greedy:
             for x, want in zip(ids, ref_gen):
-                got = other.generate(x, args.new_tokens)[0, x.shape[1]:]
+                got = other.generate(x, args.new_tokens)[0, x.shape[1] :]
                 agree += int((got == want).sum())
                 total += len(want)
-        print(f"  {name}: max|dlogit| {err:.3g} (scale {scale:.1f}), greedy {agree}/{total}",
-              flush=True)  # fmt: skip
-        return {"variant": name, "max_abs_logit_diff": f"{err:.3g}",
-                "rel_to_scale": f"{err / scale:.3g}", "logit_scale": f"{scale:.2f}",
-                "greedy_tokens_equal": agree if greedy else "", "greedy_tokens": total or "",
-                "prompts": len(PROMPTS), "note": note}  # fmt: skip
+        print(
+            f"  {name}: max|dlogit| {err:.3g} (scale {scale:.1f}), greedy {agree}/{total}",
+            flush=True,
+        )
+        return {
+            "variant": name,
+            "max_abs_logit_diff": f"{err:.3g}",
+            "rel_to_scale": f"{err / scale:.3g}",
+            "logit_scale": f"{scale:.2f}",
+            "greedy_tokens_equal": agree if greedy else "",
+            "greedy_tokens": total or "",
+            "prompts": len(PROMPTS),
+            "note": note,
+        }
 
     rows = []
     p64 = copy.deepcopy(model).double()
-    rows.append(row("plain fp32 vs plain fp64", p64, greedy=False,
-                    note="the fp32 rounding level (reference)"))  # fmt: skip
+    rows.append(
+        row(
+            "plain fp32 vs plain fp64",
+            p64,
+            greedy=False,
+            note="the fp32 rounding level (reference)",
+        )
+    )
     del p64
     torch.manual_seed(args.seed)
     mhc = convert_to_mhc(model, hc_mult=args.hc_mult, preset=args.preset).eval()
-    rows.append(row(f"mhc {args.preset} n={args.hc_mult}", mhc,
-                    note="this library: streams carry the eps deficit"))  # fmt: skip
+    rows.append(
+        row(
+            f"mhc {args.preset} n={args.hc_mult}",
+            mhc,
+            note="this library: streams carry the eps deficit",
+        )
+    )
     if args.preset == "deepseek_v4":
         for layer in mhc.layers:  # the former init: post = 1 at every connection
             for hc in (layer.attn_hc, layer.ffn_hc):
                 hc.reset_parameters()
         mhc.hc_head.init_identity(1.0)
-        rows.append(row(f"mhc {args.preset} n={args.hc_mult}, former init (post = 1)", mhc,
-                        note="res rows sum to 1 - eps: residual x (1 - eps) per sub-layer"))
+        rows.append(
+            row(
+                f"mhc {args.preset} n={args.hc_mult}, former init (post = 1)",
+                mhc,
+                note="res rows sum to 1 - eps: residual x (1 - eps) per sub-layer",
+            )
+        )
         torch.manual_seed(args.seed)
-        rows.append(row(f"mhc paper n={args.hc_mult}",
-                        convert_to_mhc(model, hc_mult=args.hc_mult, preset="paper").eval(),
-                        note="res rows sum to 1 (log-domain Sinkhorn + rounding)"))  # fmt: skip
+        rows.append(
+            row(
+                f"mhc paper n={args.hc_mult}",
+                convert_to_mhc(model, hc_mult=args.hc_mult, preset="paper").eval(),
+                note="res rows sum to 1 (log-domain Sinkhorn + rounding)",
+            )
+        )
     return rows
 
 
@@ -187,8 +222,9 @@ class Trained:
         opt = self.module.configure_optimizers()
         self.opt, self.sched = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
         self.monitor = SignalGainMonitor(every_n_steps=1, plot=False)
-        self.trainer = SimpleNamespace(global_step=0, loggers=[], should_stop=False,
-                                       is_global_zero=True)  # fmt: skip
+        self.trainer = SimpleNamespace(
+            global_step=0, loggers=[], should_stop=False, is_global_zero=True
+        )
         self.times: list[float] = []
         self.cpu: list[float] = []
         self.peak_bytes = 0
@@ -201,8 +237,9 @@ class Trained:
         self.monitor.on_train_batch_start(self.trainer, self.model, batch, i)
         loss = causal_lm_loss(self.module(batch), batch["labels"])
         loss.backward()
-        self.coeffs = [hc.last_coeffs.res for hc in connections(self.model)
-                       if hc.last_coeffs is not None]  # fmt: skip
+        self.coeffs = [
+            hc.last_coeffs.res for hc in connections(self.model) if hc.last_coeffs is not None
+        ]
         self.monitor.on_after_backward(self.trainer, self.model)
         self.opt.step()
         self.sched.step()
@@ -234,26 +271,41 @@ def finetune(args, ckpt: Path, command: str) -> tuple[Trained, Trained, list, li
 
     work = Path(args.work)
     run = {
-        "data": training_data(work, ckpt, records_per_task=args.records_per_task,
-                              seq_len=args.seq_len, batch_size=args.batch_size),
-        "train": {"max_steps": args.steps, "lr": args.lr, "warmup_steps": 4,
-                  "weight_decay": 0.0, "accelerator": "cpu", "devices": 1},
+        "data": training_data(
+            work,
+            ckpt,
+            records_per_task=args.records_per_task,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+        ),
+        "train": {
+            "max_steps": args.steps,
+            "lr": args.lr,
+            "warmup_steps": 4,
+            "weight_decay": 0.0,
+            "accelerator": "cpu",
+            "devices": 1,
+        },
         "logging": {"logger": "csv"},
-    }  # fmt: skip
+    }
     cfgs = {}
     for name, mhc in (("mhc", True), ("plain", False)):
         r = copy.deepcopy(run)
         r["train"]["out_dir"] = str(work / name)
-        cfgs[name] = prepare_hf_run(ckpt, r, mhc=mhc, hc_mult=args.hc_mult,
-                                    hc_preset=args.preset, seed=args.seed)  # fmt: skip
+        cfgs[name] = prepare_hf_run(
+            ckpt, r, mhc=mhc, hc_mult=args.hc_mult, hc_preset=args.preset, seed=args.seed
+        )
     torch.manual_seed(args.seed)
     dm = LMDataModule(cfgs["plain"].data)
     dm.setup("fit")
     it = iter(dm.train_dataloader())
     batches = [next(it) for _ in range(args.steps)]
     tokens = sum(int(b["input_ids"].numel()) for b in batches)
-    print(f"fine-tune: {args.steps} steps x {args.batch_size} x {args.seq_len} "
-          f"({tokens} tokens), same batches for both models", flush=True)  # fmt: skip
+    print(
+        f"fine-tune: {args.steps} steps x {args.batch_size} x {args.seq_len} "
+        f"({tokens} tokens), same batches for both models",
+        flush=True,
+    )
     mhc, plain = Trained("mhc", cfgs["mhc"]), Trained("plain", cfgs["plain"])
     step_rows, layer_rows = [], []
     t_start = time.time()
@@ -273,30 +325,42 @@ def finetune(args, ckpt: Path, command: str) -> tuple[Trained, Trained, list, li
         prefix = prefix_composite(mhc.coeffs)
         full = mix_stats(mhc.coeffs)
         assert math.isclose(prefix[-1][0], full.composite_fwd, rel_tol=1e-9)
-        step_rows.append({
-            "step": i, "loss_mhc": f"{losses['mhc']:.4f}", "loss_plain": f"{losses['plain']:.4f}",
-            "max_fwd_gain_mhc": fmt(max(hist["mhc"]["fwd"])),
-            "max_fwd_gain_plain": fmt(max(hist["plain"]["fwd"])),
-            "max_bwd_gain_mhc": fmt(max(hist["mhc"]["bwd"])),
-            "max_bwd_gain_plain": fmt(max(hist["plain"]["bwd"])),
-            "composite_fwd": f"{full.composite_fwd:.9f}",
-            "composite_bwd": f"{full.composite_bwd:.9f}",
-            "sinkhorn_residual": f"{full.sinkhorn_residual:.3g}",
-            "max_abs_scale": fmt(max(float(hc.scale.detach().abs().max())
-                                     for hc in connections(mhc.model))),
-        })  # fmt: skip
+        step_rows.append(
+            {
+                "step": i,
+                "loss_mhc": f"{losses['mhc']:.4f}",
+                "loss_plain": f"{losses['plain']:.4f}",
+                "max_fwd_gain_mhc": fmt(max(hist["mhc"]["fwd"])),
+                "max_fwd_gain_plain": fmt(max(hist["plain"]["fwd"])),
+                "max_bwd_gain_mhc": fmt(max(hist["mhc"]["bwd"])),
+                "max_bwd_gain_plain": fmt(max(hist["plain"]["bwd"])),
+                "composite_fwd": f"{full.composite_fwd:.9f}",
+                "composite_bwd": f"{full.composite_bwd:.9f}",
+                "sinkhorn_residual": f"{full.sinkhorn_residual:.3g}",
+                "max_abs_scale": fmt(
+                    max(float(hc.scale.detach().abs().max()) for hc in connections(mhc.model))
+                ),
+            }
+        )
         for layer, (cf, cb) in enumerate(prefix):
-            layer_rows.append({
-                "step": i, "layer": layer,
-                "fwd_gain_mhc": fmt(hist["mhc"]["fwd"][layer], 6),
-                "fwd_gain_plain": fmt(hist["plain"]["fwd"][layer], 6),
-                "bwd_gain_mhc": fmt(hist["mhc"]["bwd"][layer], 6),
-                "bwd_gain_plain": fmt(hist["plain"]["bwd"][layer], 6),
-                "composite_fwd": f"{cf:.9f}", "composite_bwd": f"{cb:.9f}",
-            })  # fmt: skip
-        print(f"[{time.time() - t_start:.0f}s] step {i}: loss mhc {losses['mhc']:.4f} plain "
-              f"{losses['plain']:.4f}, composite fwd {full.composite_fwd:.6f} bwd "
-              f"{full.composite_bwd:.6f}", flush=True)  # fmt: skip
+            layer_rows.append(
+                {
+                    "step": i,
+                    "layer": layer,
+                    "fwd_gain_mhc": fmt(hist["mhc"]["fwd"][layer], 6),
+                    "fwd_gain_plain": fmt(hist["plain"]["fwd"][layer], 6),
+                    "bwd_gain_mhc": fmt(hist["mhc"]["bwd"][layer], 6),
+                    "bwd_gain_plain": fmt(hist["plain"]["bwd"][layer], 6),
+                    "composite_fwd": f"{cf:.9f}",
+                    "composite_bwd": f"{cb:.9f}",
+                }
+            )
+        print(
+            f"[{time.time() - t_start:.0f}s] step {i}: loss mhc {losses['mhc']:.4f} plain "
+            f"{losses['plain']:.4f}, composite fwd {full.composite_fwd:.6f} bwd "
+            f"{full.composite_bwd:.6f}",
+            flush=True,
+        )
     write_csv(Path(args.out) / "train_steps.csv", step_rows, command)
     write_csv(Path(args.out) / "layer_gain.csv", layer_rows, command)
     return mhc, plain, step_rows, layer_rows
@@ -306,17 +370,21 @@ def overhead_rows(mhc: Trained, plain: Trained, args) -> list[dict[str, Any]]:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     rows = []
     for m in (mhc, plain):
-        rows.append({
-            "model": m.name, "timed_steps": len(m.times),
-            "median_step_s": f"{statistics.median(m.times):.2f}",
-            "min_step_s": f"{min(m.times):.2f}",
-            "median_cpu_s": f"{statistics.median(m.cpu):.2f}",
-            "ratio_vs_plain": f"{statistics.median(m.times) / statistics.median(plain.times):.3f}",
-            "cpu_ratio_vs_plain": f"{statistics.median(m.cpu) / statistics.median(plain.cpu):.3f}",
-            "peak_step_MiB": f"{m.peak_bytes / 2**20:.0f}",
-            "peak_ratio_vs_plain": f"{m.peak_bytes / max(plain.peak_bytes, 1):.3f}",
-            "machine": machine_description(), "load_1min": f"{load:.2f}",
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": m.name,
+                "timed_steps": len(m.times),
+                "median_step_s": f"{statistics.median(m.times):.2f}",
+                "min_step_s": f"{min(m.times):.2f}",
+                "median_cpu_s": f"{statistics.median(m.cpu):.2f}",
+                "ratio_vs_plain": f"{statistics.median(m.times) / statistics.median(plain.times):.3f}",
+                "cpu_ratio_vs_plain": f"{statistics.median(m.cpu) / statistics.median(plain.cpu):.3f}",
+                "peak_step_MiB": f"{m.peak_bytes / 2**20:.0f}",
+                "peak_ratio_vs_plain": f"{m.peak_bytes / max(plain.peak_bytes, 1):.3f}",
+                "machine": machine_description(),
+                "load_1min": f"{load:.2f}",
+            }
+        )
     return rows
 
 
@@ -330,13 +398,22 @@ def evaluate(model, name: str, tok, blocks, records) -> dict[str, Any]:
     model.eval()
     text = run_text_perplexity(model, blocks, TEXT_CONTEXT, IdentityCompressor())
     rec = run_recall(model, tok, records, IdentityCompressor(), batch_size=8)
-    row = {"model": name, "ppl": f"{text.perplexity:.3f}", "ppl_se": f"{text.ppl_stderr:.3f}",
-           "ppl_tokens": text.tokens, "recall": f"{rec.accuracy:.3f}",
-           "recall_se": f"{rec.stderr:.3f}", "recall_n": rec.n,
-           "recall_task": f"pairs={RECALL_TASK['pairs']} distractors={RECALL_TASK['distractors']}",
-           "recall_seed": RECALL_SEED}  # fmt: skip
-    print(f"  {name}: ppl {row['ppl']} +- {row['ppl_se']}, recall {row['recall']} +- "
-          f"{row['recall_se']} (n={rec.n}) ({time.time() - t0:.0f}s)", flush=True)  # fmt: skip
+    row = {
+        "model": name,
+        "ppl": f"{text.perplexity:.3f}",
+        "ppl_se": f"{text.ppl_stderr:.3f}",
+        "ppl_tokens": text.tokens,
+        "recall": f"{rec.accuracy:.3f}",
+        "recall_se": f"{rec.stderr:.3f}",
+        "recall_n": rec.n,
+        "recall_task": f"pairs={RECALL_TASK['pairs']} distractors={RECALL_TASK['distractors']}",
+        "recall_seed": RECALL_SEED,
+    }
+    print(
+        f"  {name}: ppl {row['ppl']} +- {row['ppl_se']}, recall {row['recall']} +- "
+        f"{row['recall_se']} (n={rec.n}) ({time.time() - t0:.0f}s)",
+        flush=True,
+    )
     return row
 
 
@@ -350,20 +427,29 @@ def export_rows(model, tok, ckpt: Path, work: Path) -> list[dict[str, Any]]:
 
     out = export_hf(model.eval(), work / "export_mhc", tokenizer_from=ckpt)
     remote = check_export_dir(out)  # our own mHC code, verified byte for byte; nothing else runs
-    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=remote,
-                                              dtype=torch.float32).eval()  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=remote, dtype=torch.float32
+    ).eval()
     rows = []
     for prompt in PROMPTS:
         x = torch.tensor([tok.encode(prompt)])
         ours, theirs = model(x).logits, hf(input_ids=x).logits
         err = float((ours.double() - theirs.double()).abs().max())
-        rows.append({"prompt": prompt.replace("\n", "\\n")[:40], "tokens": x.shape[1],
-                     "max_abs_logit_diff": f"{err:.3g}",
-                     "logit_scale": f"{float(ours.abs().max()):.2f}",
-                     "argmax_equal": bool((ours.argmax(-1) == theirs.argmax(-1)).all()),
-                     "hf_class": type(hf).__name__})  # fmt: skip
-    print(f"  export {out}: max|dlogit| vs transformers "
-          f"{max(float(r['max_abs_logit_diff']) for r in rows):.3g}", flush=True)  # fmt: skip
+        rows.append(
+            {
+                "prompt": prompt.replace("\n", "\\n")[:40],
+                "tokens": x.shape[1],
+                "max_abs_logit_diff": f"{err:.3g}",
+                "logit_scale": f"{float(ours.abs().max()):.2f}",
+                "argmax_equal": bool((ours.argmax(-1) == theirs.argmax(-1)).all()),
+                "hf_class": type(hf).__name__,
+            }
+        )
+    print(
+        f"  export {out}: max|dlogit| vs transformers "
+        f"{max(float(r['max_abs_logit_diff']) for r in rows):.3g}",
+        flush=True,
+    )
     return rows
 
 
@@ -379,17 +465,28 @@ def plot(layer_rows: list[dict[str, Any]], path: Path) -> None:
     for s in steps:
         rs = [r for r in layer_rows if r["step"] == s]
         c = cmap(s / max(steps[-1], 1))
-        axes[0].plot([r["layer"] for r in rs], [float(r["composite_fwd"]) - 1 for r in rs],
-                     color=c, lw=1)  # fmt: skip
-        axes[1].plot([r["layer"] for r in rs], [float(r["fwd_gain_mhc"]) for r in rs],
-                     color=c, lw=1)  # fmt: skip
+        axes[0].plot(
+            [r["layer"] for r in rs], [float(r["composite_fwd"]) - 1 for r in rs], color=c, lw=1
+        )
+        axes[1].plot(
+            [r["layer"] for r in rs], [float(r["fwd_gain_mhc"]) for r in rs], color=c, lw=1
+        )
     last = [r for r in layer_rows if r["step"] == steps[-1]]
-    axes[1].plot([r["layer"] for r in last], [float(r["fwd_gain_plain"]) for r in last], "k--",
-                 lw=1, label=f"plain, step {steps[-1]}")  # fmt: skip
-    axes[0].set(xlabel="layer", ylabel="composite forward gain - 1",
-                title="mHC composite mix gain (H_l...H_1)")  # fmt: skip
-    axes[1].set(xlabel="layer", ylabel="rms(out) / rms(in)", title="per-layer norm gain",
-                yscale="log")  # fmt: skip
+    axes[1].plot(
+        [r["layer"] for r in last],
+        [float(r["fwd_gain_plain"]) for r in last],
+        "k--",
+        lw=1,
+        label=f"plain, step {steps[-1]}",
+    )
+    axes[0].set(
+        xlabel="layer",
+        ylabel="composite forward gain - 1",
+        title="mHC composite mix gain (H_l...H_1)",
+    )
+    axes[1].set(
+        xlabel="layer", ylabel="rms(out) / rms(in)", title="per-layer norm gain", yscale="log"
+    )
     axes[1].legend(fontsize=8)
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, steps[-1]))
     fig.colorbar(sm, ax=axes, label="step")
@@ -408,8 +505,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse(argv)
     torch.set_num_threads(args.threads)
-    command = "python experiments/smollm2_mhc/smollm2_mhc_retrofit.py " + " ".join(sys.argv[1:] if argv is None
-                                                                   else argv)  # fmt: skip
+    command = "python experiments/smollm2_mhc/smollm2_mhc_retrofit.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     out = Path(args.out)
     t0 = time.time()
     ckpt = fetch(args.checkpoint) if args.checkpoint in KNOWN else Path(args.checkpoint)
@@ -428,8 +526,9 @@ def main(argv: list[str] | None = None) -> None:
     records = recall_records(RecallTask(**RECALL_TASK), args.num_recall, RECALL_SEED)
     evals = [evaluate(model, "base (plain = retrofit at init)", tok, blocks, records)]
     evals.append(evaluate(mhc.model, f"mhc fine-tune ({args.steps} steps)", tok, blocks, records))
-    evals.append(evaluate(plain.model, f"plain fine-tune ({args.steps} steps)", tok, blocks,
-                          records))  # fmt: skip
+    evals.append(
+        evaluate(plain.model, f"plain fine-tune ({args.steps} steps)", tok, blocks, records)
+    )
     write_csv(out / "eval.csv", evals, command)
 
     print(f"[{time.time() - t0:.0f}s] export", flush=True)

@@ -26,8 +26,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--model", required=True, help="STEM of STEM.safetensors + STEM.json")
     ap.add_argument("--checkpoint", default="smollm2", help="the source (its tokenizer)")
     ap.add_argument("--context", type=int, default=192, help="context tokens of the block")
-    ap.add_argument("--out", type=Path,
-                    default=Path("experiments/smollm2_mla/results/latent_stats.csv"))  # fmt: skip
+    ap.add_argument(
+        "--out", type=Path, default=Path("experiments/smollm2_mla/results/latent_stats.csv")
+    )
     args = ap.parse_args(argv)
     from safetensors.torch import load_file
 
@@ -57,22 +58,30 @@ def main(argv: list[str] | None = None) -> Path:
         c, pe = lat[:, :R], lat[:, R:]
         per_feature = c.abs().amax(0)  # [R]
         spread = c.abs().amax(1) / c.pow(2).mean(1).sqrt()  # [M] per token
-        rows.append({
-            "layer": layer,
-            "ckv_absmax_over_rms_median": float(spread.median()),
-            "ckv_feature_max_top": float(per_feature.max()),
-            "ckv_feature_max_median": float(per_feature.median()),
-            "kpe_absmax": float(pe.abs().max()),
-        })  # fmt: skip
+        rows.append(
+            {
+                "layer": layer,
+                "ckv_absmax_over_rms_median": float(spread.median()),
+                "ckv_feature_max_top": float(per_feature.max()),
+                "ckv_feature_max_median": float(per_feature.median()),
+                "kpe_absmax": float(pe.abs().max()),
+            }
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:
-        f.write("# command: python experiments/smollm2_mla/mla_latent_stats.py " + shlex.join(sys.argv[1:]) + "\n")
+        f.write(
+            "# command: python experiments/smollm2_mla/mla_latent_stats.py "
+            + shlex.join(sys.argv[1:])
+            + "\n"
+        )
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     ratios = sorted(r["ckv_absmax_over_rms_median"] for r in rows)
-    print(f"{len(rows)} layers: median max|c_kv|/rms per token {ratios[len(ratios) // 2]:.1f} "
-          f"(range {ratios[0]:.1f}-{ratios[-1]:.1f}); wrote {args.out}")  # fmt: skip
+    print(
+        f"{len(rows)} layers: median max|c_kv|/rms per token {ratios[len(ratios) // 2]:.1f} "
+        f"(range {ratios[0]:.1f}-{ratios[-1]:.1f}); wrote {args.out}"
+    )
     return args.out
 
 

@@ -32,7 +32,9 @@ def read_rows(paths: list[Path]) -> list[dict]:
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csvs", nargs="+", type=Path)
-    ap.add_argument("--out", type=Path, default=Path("experiments/smollm2_mla/results/mla_sizes.png"))
+    ap.add_argument(
+        "--out", type=Path, default=Path("experiments/smollm2_mla/results/mla_sizes.png")
+    )
     args = ap.parse_args(argv)
     import matplotlib
 
@@ -43,8 +45,11 @@ def main(argv: list[str] | None = None) -> Path:
     fig, (ax_p, ax_r) = plt.subplots(1, 2, figsize=(11, 5))
     markers = {"converted": "o", "healed": "s", "before": "*", "fine-tuned": "D"}
     palette = iter(["tab:blue", "tab:purple", "tab:cyan", "tab:olive", "tab:brown", "tab:pink"])
-    fixed = {("converted", "weighted"): "tab:red", ("converted", "2norm"): "tab:orange",
-             ("before", ""): "black"}  # fmt: skip
+    fixed = {
+        ("converted", "weighted"): "tab:red",
+        ("converted", "2norm"): "tab:orange",
+        ("before", ""): "black",
+    }
     # Conversions with no fewer KV elements than the source (full latent rank: what the shared
     # RoPE head alone costs) are a diagnostic of their own, not a point on the size curve.
     src = max((float(r["kv_elements"]) for r in rows if r["size"] == "source"), default=1e9)
@@ -53,19 +58,28 @@ def main(argv: list[str] | None = None) -> Path:
             r["stage"] = "full rank"
     markers["full rank"] = "x"
     fixed[("full rank", "weighted")] = "tab:gray"
-    groups = sorted({(r["stage"], r["rope_selection"], int(r["heal_steps"])) for r in rows},
-                    key=lambda g: (list(markers).index(g[0]), g[1], g[2]))  # fmt: skip
+    groups = sorted(
+        {(r["stage"], r["rope_selection"], int(r["heal_steps"])) for r in rows},
+        key=lambda g: (list(markers).index(g[0]), g[1], g[2]),
+    )
     for stage, selection, steps in groups:
-        sel = [r for r in rows if (r["stage"], r["rope_selection"], int(r["heal_steps"]))
-               == (stage, selection, steps)]  # fmt: skip
+        sel = [
+            r
+            for r in rows
+            if (r["stage"], r["rope_selection"], int(r["heal_steps"])) == (stage, selection, steps)
+        ]
         sel.sort(key=lambda r: float(r["kv_elements"]))
         marker = markers[stage]
-        color = fixed.get((stage, selection)) or ("tab:green" if stage == "fine-tuned"
-                                                  else next(palette))  # fmt: skip
-        label = {"converted": "MLA, converted", "before": "source (GQA)",
-                 "full rank": "MLA, converted at full latent rank",
-                 "fine-tuned": f"source + {steps} steps",
-                 "healed": f"MLA, healed {steps} steps"}[stage]  # fmt: skip
+        color = fixed.get((stage, selection)) or (
+            "tab:green" if stage == "fine-tuned" else next(palette)
+        )
+        label = {
+            "converted": "MLA, converted",
+            "before": "source (GQA)",
+            "full rank": "MLA, converted at full latent rank",
+            "fine-tuned": f"source + {steps} steps",
+            "healed": f"MLA, healed {steps} steps",
+        }[stage]
         if selection == "2norm":  # MHA2MLA's 2-norm RoPE selection
             label = f"{label} (2-norm RoPE)"
         if stage == "fine-tuned" and steps != 30:
@@ -74,12 +88,25 @@ def main(argv: list[str] | None = None) -> Path:
         for ax, key in ((ax_p, "ppl"), (ax_r, "recall")):
             y = [float(r[key]) for r in sel]
             err = [float(r[f"{key}_se"] or 0) for r in sel]
-            ax.errorbar(x, y, yerr=err, fmt=marker, color=color, label=label, capsize=3,
-                        linestyle="none" if stage in ("before", "fine-tuned") else "-")  # fmt: skip
+            ax.errorbar(
+                x,
+                y,
+                yerr=err,
+                fmt=marker,
+                color=color,
+                label=label,
+                capsize=3,
+                linestyle="none" if stage in ("before", "fine-tuned") else "-",
+            )
         for r in sel:
             if r["size"] != "source":
-                ax_p.annotate(r["size"], (float(r["kv_elements"]), float(r["ppl"])),
-                              textcoords="offset points", xytext=(4, 4), fontsize=7)  # fmt: skip
+                ax_p.annotate(
+                    r["size"],
+                    (float(r["kv_elements"]), float(r["ppl"])),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=7,
+                )
     ax_p.set_yscale("log")
     ax_p.set_ylabel("held-out perplexity (log)")
     ax_r.set_ylabel("8-pair recall (held-out seeds)")

@@ -37,7 +37,9 @@ from pathlib import Path
 import torch
 import yaml
 
-STUDY = yaml.safe_load(Path(__file__).with_name("study.yaml").read_text())  # the frozen mix + evaluation
+STUDY = yaml.safe_load(
+    Path(__file__).with_name("study.yaml").read_text()
+)  # the frozen mix + evaluation
 
 
 def training_data(work: Path, ckpt, **data) -> dict:
@@ -59,6 +61,7 @@ def training_datamodule(work: Path, ckpt, **data):
     dm = LMDataModule(DataConfig(**training_data(work, ckpt, **data)))
     dm.setup()
     return dm
+
 
 SOURCE_SIZE = "source"
 
@@ -94,7 +97,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes]
     torch.set_num_threads(args.threads)
-    command = "python experiments/smollm2_mla/smollm2_mla.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python experiments/smollm2_mla/smollm2_mla.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
 
     from unicache_train.checkpoint.gguf import KNOWN, fetch
     from unicache_train.checkpoint.hf import import_hf
@@ -118,21 +123,38 @@ def main(argv: list[str] | None = None) -> list[dict]:
     train_cfg = TrainConfig(weight_decay=0.0)
     calib = text_blocks(tok, reference_documents("train"), 256, args.calib_seqs)
     blocks = text_blocks(tok, reference_documents("heldout"), STUDY["text_block"], args.text_blocks)
-    records = recall_records(RecallTask(**STUDY["recall_task"]), args.num_recall, STUDY["recall_seed"])
+    records = recall_records(
+        RecallTask(**STUDY["recall_task"]), args.num_recall, STUDY["recall_seed"]
+    )
 
     def evaluate(model) -> dict:
         text = run_text_perplexity(model, blocks, STUDY["text_context"], IdentityCompressor())
         rec = run_recall(model, tok, records, IdentityCompressor(), batch_size=8)
-        return {"ppl": text.perplexity, "ppl_se": text.ppl_stderr, "recall": rec.accuracy,
-                "recall_se": rec.stderr, "n_recall": rec.n}  # fmt: skip
+        return {
+            "ppl": text.perplexity,
+            "ppl_se": text.ppl_stderr,
+            "recall": rec.accuracy,
+            "recall_se": rec.stderr,
+            "n_recall": rec.n,
+        }
 
     def heal(model, name) -> dict:
         # Same seeded batch order for every model: the loader is rebuilt from the start.
-        res = train_steps(model, endless(data.train_dataloader), args.heal_steps, args.lr,
-                          args.warmup, train_cfg, desc=f"heal {name}")  # fmt: skip
-        return {"heal_steps": args.heal_steps, "heal_tokens": res.tokens,
-                "heal_s": round(res.seconds, 1), "final_loss": res.losses[-1] if res.losses
-                else math.nan}  # fmt: skip
+        res = train_steps(
+            model,
+            endless(data.train_dataloader),
+            args.heal_steps,
+            args.lr,
+            args.warmup,
+            train_cfg,
+            desc=f"heal {name}",
+        )
+        return {
+            "heal_steps": args.heal_steps,
+            "heal_tokens": res.tokens,
+            "heal_s": round(res.seconds, 1),
+            "final_loss": res.losses[-1] if res.losses else math.nan,
+        }
 
     rows: list[dict] = []
     out = Path(args.out)
@@ -147,21 +169,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
             w = csv.DictWriter(f, fieldnames=keys, restval="")
             w.writeheader()
             w.writerows(rows)
-        print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()},
-              f"[{time.time() - t_start:.0f}s]", flush=True)  # fmt: skip
+        print(
+            {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()},
+            f"[{time.time() - t_start:.0f}s]",
+            flush=True,
+        )
 
-    base = {"model": "SmolLM2-135M GQA", "size": SOURCE_SIZE, "kv_elements": src_elems,
-            "kv_reduction": 1.0, "rope_selection": "", "rope_stride": ""}  # fmt: skip
+    base = {
+        "model": "SmolLM2-135M GQA",
+        "size": SOURCE_SIZE,
+        "kv_elements": src_elems,
+        "kv_reduction": 1.0,
+        "rope_selection": "",
+        "rope_stride": "",
+    }
     emit({**base, "stage": "before", "heal_steps": 0, **evaluate(source)})
     for R, Dr in sizes:
         t0 = time.time()
-        mla, report = convert_to_mla_with_report(source, calib, R, Dr,
-                                                 rope_selection=args.rope_selection)  # fmt: skip
+        mla, report = convert_to_mla_with_report(
+            source, calib, R, Dr, rope_selection=args.rope_selection
+        )
         conv_s = time.time() - t0
         elems = kv_elements_per_token(mla.config)
-        meta = {"model": "SmolLM2-135M MLA", "size": f"{R}+{Dr}", "kv_elements": elems,
-                "kv_reduction": src_elems / elems, "rope_selection": args.rope_selection,
-                "rope_stride": report.rope_stride, "convert_s": round(conv_s, 1)}  # fmt: skip
+        meta = {
+            "model": "SmolLM2-135M MLA",
+            "size": f"{R}+{Dr}",
+            "kv_elements": elems,
+            "kv_reduction": src_elems / elems,
+            "rope_selection": args.rope_selection,
+            "rope_stride": report.rope_stride,
+            "convert_s": round(conv_s, 1),
+        }
         emit({**meta, "stage": "converted", "heal_steps": 0, **evaluate(mla)})
         if args.heal_steps == 0:  # conversion only (e.g. what the construction alone costs)
             continue
@@ -174,8 +212,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             d.mkdir(parents=True, exist_ok=True)
             stem = f"mla_{R}+{Dr}_{args.rope_selection}"
             # clone: tied embeddings share storage, which safetensors refuses
-            save_file({k: v.detach().clone().contiguous() for k, v in mla.state_dict().items()},
-                      str(d / f"{stem}.safetensors"))  # fmt: skip
+            save_file(
+                {k: v.detach().clone().contiguous() for k, v in mla.state_dict().items()},
+                str(d / f"{stem}.safetensors"),
+            )
             (d / f"{stem}.json").write_text(json.dumps(mla.config.to_dict(), indent=1))
         del mla
         if not args.no_control and (R, Dr) == sizes[0]:

@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 import yaml
 
-STUDY = yaml.safe_load(Path(__file__).with_name("study.yaml").read_text())  # the frozen mix + evaluation
+STUDY = yaml.safe_load(
+    Path(__file__).with_name("study.yaml").read_text()
+)  # the frozen mix + evaluation
 
 
 def training_data(work: Path, ckpt, **data) -> dict:
@@ -49,24 +51,37 @@ def training_datamodule(work: Path, ckpt, **data):
     dm.setup()
     return dm
 
+
 # METHOD -> (storage, scale granularity); "_ch": one scale per latent feature over the segment
 # (the PCA latent's leading features are ~10x its median one: per-vector int4 scales round the
 # quiet features to zero)
-QUANT = {"unicache": ("int8", "token_head"), "unicache_q4": ("int4", "token_head"),
-         "unicache_q4_ch": ("int4", "channel"), "unicache_ch": ("int8", "channel"),
-         "unicache_fp": ("none", "token_head")}  # fmt: skip
+QUANT = {
+    "unicache": ("int8", "token_head"),
+    "unicache_q4": ("int4", "token_head"),
+    "unicache_q4_ch": ("int4", "channel"),
+    "unicache_ch": ("int8", "channel"),
+    "unicache_fp": ("none", "token_head"),
+}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="STEM of STEM.safetensors + STEM.json")
     ap.add_argument("--checkpoint", default="smollm2", help="the source (tokenizer, GQA config)")
-    ap.add_argument("--settings", nargs="+", default=["unicache@8", "unicache_q4@8"],
-                    help=f"METHOD@REDUCTION vs the source GQA cache; METHOD in {list(QUANT)}")
-    ap.add_argument("--finetune-steps", type=int, default=0,
-                    help="compression-aware fine-tune of N steps with the FIRST setting's "
-                         "UniCache in the loop (the main recipe's training mix), then every "
-                         "setting is evaluated again")  # fmt: skip
+    ap.add_argument(
+        "--settings",
+        nargs="+",
+        default=["unicache@8", "unicache_q4@8"],
+        help=f"METHOD@REDUCTION vs the source GQA cache; METHOD in {list(QUANT)}",
+    )
+    ap.add_argument(
+        "--finetune-steps",
+        type=int,
+        default=0,
+        help="compression-aware fine-tune of N steps with the FIRST setting's "
+        "UniCache in the loop (the main recipe's training mix), then every "
+        "setting is evaluated again",
+    )
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--num-recall", type=int, default=32)
     ap.add_argument("--text-blocks", type=int, default=12)
@@ -82,8 +97,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for spec in args.settings:
         method, _, red = spec.partition("@")
         if method not in QUANT or not red.replace(".", "", 1).isdigit() or float(red) <= 1:
-            raise SystemExit(f"--settings {spec!r}: METHOD@REDUCTION, METHOD in {list(QUANT)}, "
-                             "REDUCTION > 1")  # fmt: skip
+            raise SystemExit(
+                f"--settings {spec!r}: METHOD@REDUCTION, METHOD in {list(QUANT)}, REDUCTION > 1"
+            )
         settings.append((method, float(red)))
     if args.finetune_steps < 0:
         raise SystemExit(f"--finetune-steps={args.finetune_steps} is out of range; allowed >= 0")
@@ -116,7 +132,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     conv = src_elems / kv_elements_per_token(config)  # the conversion's reduction
     tok = load_tokenizer(str(ckpt))
     blocks = text_blocks(tok, reference_documents("heldout"), STUDY["text_block"], args.text_blocks)
-    records = recall_records(RecallTask(**STUDY["recall_task"]), args.num_recall, STUDY["recall_seed"])
+    records = recall_records(
+        RecallTask(**STUDY["recall_task"]), args.num_recall, STUDY["recall_seed"]
+    )
     calib = blocks[:2]
     split = torch.full((2,), STUDY["text_context"], dtype=torch.long)
     label = args.label or stem.name
@@ -136,11 +154,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     def evaluate(name, target, rate, build) -> None:
         text = run_text_perplexity(model, blocks, STUDY["text_context"], build())
         rec = run_recall(model, tok, records, build(), batch_size=8)
-        emit({"model": label, "setting": name, "target_vs_source": target, "rate": rate,
-              "kv_reduction_vs_latent": rec.kv_reduction,
-              "kv_reduction_vs_source": rec.kv_reduction * conv,
-              "recall": rec.accuracy, "recall_se": rec.stderr, "n": rec.n,
-              "ppl": text.perplexity, "ppl_se": text.ppl_stderr})  # fmt: skip
+        emit(
+            {
+                "model": label,
+                "setting": name,
+                "target_vs_source": target,
+                "rate": rate,
+                "kv_reduction_vs_latent": rec.kv_reduction,
+                "kv_reduction_vs_source": rec.kv_reduction * conv,
+                "recall": rec.accuracy,
+                "recall_se": rec.stderr,
+                "n": rec.n,
+                "ppl": text.perplexity,
+                "ppl_se": text.ppl_stderr,
+            }
+        )
 
     if args.finetune_steps and settings[0][1] / conv <= 1.0:
         raise SystemExit(
@@ -156,14 +184,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
             continue
         with torch.no_grad():
             rate, got = rate_for_reduction(
-                model, calib, split,
+                model,
+                calib,
+                split,
                 lambda r, q=quant, g=granularity: UniCacheCompressor(text_unicache(r, 0, q, g)),
                 on_latent,
-            )  # fmt: skip
-        print(f"{method}@{red}: rate {rate:.3f}, calibrated {got * conv:.2f}x vs source",
-              flush=True)  # fmt: skip
-        calibrated.append((f"{method}@{red:g}", red, rate,
-                           text_unicache(rate, 0, quant, granularity)))  # fmt: skip
+            )
+        print(
+            f"{method}@{red}: rate {rate:.3f}, calibrated {got * conv:.2f}x vs source", flush=True
+        )
+        calibrated.append(
+            (f"{method}@{red:g}", red, rate, text_unicache(rate, 0, quant, granularity))
+        )
 
     def evaluate_all() -> None:
         evaluate("none", conv, 0.0, IdentityCompressor)
@@ -177,11 +209,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         data = training_datamodule(stem.parent, ckpt)
         name, _, _, cfg = calibrated[0]
-        res = train_steps(model, endless(data.train_dataloader), args.finetune_steps, args.lr,
-                          max(1, args.finetune_steps // 8), TrainConfig(weight_decay=0.0),
-                          compressor=UniCacheCompressor(cfg), desc=f"fine-tune {name} in loop")
-        print(f"compression-aware fine-tune: {args.finetune_steps} steps, {res.tokens} tokens, "
-              f"{res.seconds:.0f}s", flush=True)  # fmt: skip
+        res = train_steps(
+            model,
+            endless(data.train_dataloader),
+            args.finetune_steps,
+            args.lr,
+            max(1, args.finetune_steps // 8),
+            TrainConfig(weight_decay=0.0),
+            compressor=UniCacheCompressor(cfg),
+            desc=f"fine-tune {name} in loop",
+        )
+        print(
+            f"compression-aware fine-tune: {args.finetune_steps} steps, {res.tokens} tokens, "
+            f"{res.seconds:.0f}s",
+            flush=True,
+        )
         label = f"{label} + {args.finetune_steps} steps {name} in loop"
         evaluate_all()
     return rows

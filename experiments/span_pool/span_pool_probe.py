@@ -72,17 +72,41 @@ def main() -> None:
     with OUT.open("a", newline="") as f:
         w = csv.writer(f)
         if new:
-            w.writerow(["# command: python experiments/span_pool/span_pool_probe.py " + " ".join(sys.argv[1:])])
-            w.writerow([
-                "method", "target_reduction", "rate", "pool", "kv_reduction", "task", "recall",
-                "recall_se", "n", "machine",
-            ])  # fmt: skip
+            w.writerow(
+                [
+                    "# command: python experiments/span_pool/span_pool_probe.py "
+                    + " ".join(sys.argv[1:])
+                ]
+            )
+            w.writerow(
+                [
+                    "method",
+                    "target_reduction",
+                    "rate",
+                    "pool",
+                    "kv_reduction",
+                    "task",
+                    "recall",
+                    "recall_se",
+                    "n",
+                    "machine",
+                ]
+            )
         for method, red, rate, pool, r in rows:
-            w.writerow([
-                method, red, rate, pool, f"{r.kv_reduction:.3f}", f"recall{a.pairs}",
-                f"{r.accuracy:.4f}", f"{r.stderr:.4f}", r.n,
-                f"{platform.processor() or platform.machine()} threads={a.threads}",
-            ])  # fmt: skip
+            w.writerow(
+                [
+                    method,
+                    red,
+                    rate,
+                    pool,
+                    f"{r.kv_reduction:.3f}",
+                    f"recall{a.pairs}",
+                    f"{r.accuracy:.4f}",
+                    f"{r.stderr:.4f}",
+                    r.n,
+                    f"{platform.processor() or platform.machine()} threads={a.threads}",
+                ]
+            )
 
 
 if __name__ == "__main__":

@@ -62,7 +62,9 @@ CHAT_PROMPTS = (
     "List three fruits that are red.",
     "How many days are there in a leap year?",
 )
-RECALL_SEED = 1_000_003  # the held-out evaluation seed (experiments/kvpress/kvpress_baseline.py uses it too)
+RECALL_SEED = (
+    1_000_003  # the held-out evaluation seed (experiments/kvpress/kvpress_baseline.py uses it too)
+)
 
 
 # ------------------------------------------------------------------------- project venv side
@@ -86,16 +88,40 @@ def build_prompts(tokenizer, n_recall: int = 10, pairs: int = 8) -> list[dict]:
     bos = tokenizer.bos_token_id
     for i, r in enumerate(recall_records(RecallTask(pairs=pairs), n_recall, RECALL_SEED)):
         ids = ([bos] if bos is not None else []) + enc(r["context"]) + enc(r["question"])
-        out.append({"id": f"recall{i}", "kind": "recall", "text": r["context"] + r["question"],
-                    "add_bos": bos is not None, "chat": False, "answer": r["answer"],
-                    "prompt_token_ids": ids})  # fmt: skip
+        out.append(
+            {
+                "id": f"recall{i}",
+                "kind": "recall",
+                "text": r["context"] + r["question"],
+                "add_bos": bos is not None,
+                "chat": False,
+                "answer": r["answer"],
+                "prompt_token_ids": ids,
+            }
+        )
     for i, t in enumerate(TEXT_PROMPTS):
-        out.append({"id": f"text{i}", "kind": "text", "text": t, "add_bos": False, "chat": False,
-                    "prompt_token_ids": enc(t)})  # fmt: skip
+        out.append(
+            {
+                "id": f"text{i}",
+                "kind": "text",
+                "text": t,
+                "add_bos": False,
+                "chat": False,
+                "prompt_token_ids": enc(t),
+            }
+        )
     for i, t in enumerate(CHAT_PROMPTS):
         ids = chat_ids(tokenizer, t)
-        out.append({"id": f"chat{i}", "kind": "chat", "text": t, "add_bos": False, "chat": True,
-                    "prompt_token_ids": ids})  # fmt: skip
+        out.append(
+            {
+                "id": f"chat{i}",
+                "kind": "chat",
+                "text": t,
+                "add_bos": False,
+                "chat": True,
+                "prompt_token_ids": ids,
+            }
+        )
     return out
 
 
@@ -155,22 +181,27 @@ def export_mla(args) -> None:
         mla = Decoder(ModelConfig.from_dict(json.loads(stem.with_suffix(".json").read_text())))
         mla.load_state_dict(load_file(str(stem.with_suffix(".safetensors"))))
         mla.eval()
-        print(f"loaded {stem}: kv_lora_rank {mla.config.kv_lora_rank}, qk_rope_head_dim "
-              f"{mla.config.qk_rope_head_dim}")  # fmt: skip
+        print(
+            f"loaded {stem}: kv_lora_rank {mla.config.kv_lora_rank}, qk_rope_head_dim "
+            f"{mla.config.qk_rope_head_dim}"
+        )
     else:
         mla, report = convert_to_mla_with_report(
             model, calib, args.kv_lora_rank, args.rope_dim, batch_size=2
         )
-        print(f"converted in {time.time() - t0:.0f}s: rope stride {report.rope_stride}, "
-              f"rope_theta {report.rope_theta:g}, KV elements/token/layer "
-              f"{report.kv_elements_before} -> {report.kv_elements_after}")  # fmt: skip
+        print(
+            f"converted in {time.time() - t0:.0f}s: rope stride {report.rope_stride}, "
+            f"rope_theta {report.rope_theta:g}, KV elements/token/layer "
+            f"{report.kv_elements_before} -> {report.kv_elements_after}"
+        )
     with torch.no_grad():
         x = calib[:2, :128]
         labels = x[:, 1:].reshape(-1)
         for name, m in (("source", model), ("mla", mla)):
             logits = m(x).logits
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                    labels)  # fmt: skip
+            nll = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels
+            )
             print(f"{name} calibration-text ppl {float(nll.exp()):.2f}")
     export_deepseek_v3(mla, args.out, tokenizer_from=args.source)
     print(f"exported {args.out}")
@@ -182,8 +213,10 @@ def export_mla(args) -> None:
         x = calib[:2, :128]
         ref = mla(x).logits
         diff = float((back(x).logits - ref).abs().max())
-    print(f"transformers {type(back).__name__} reload: max |logit diff| {diff:.3g} "
-          f"(logits up to {float(ref.abs().max()):.1f})")  # fmt: skip
+    print(
+        f"transformers {type(back).__name__} reload: max |logit diff| {diff:.3g} "
+        f"(logits up to {float(ref.abs().max()):.1f})"
+    )
 
 
 def pad_mla_state_dict(sd: dict, rank: int, new_rank: int) -> dict:
@@ -288,11 +321,16 @@ def pad_mla(args) -> None:
         if f.is_file() and f.name not in ("config.json", "model.safetensors"):
             shutil.copy2(f, args.out / f.name)
     (args.out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(args.out / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
-    print(f"wrote {args.out}: kv_lora_rank {args.pad_rank}, qk_rope_head_dim "
-          f"{cfg['qk_rope_head_dim']}, tie_word_embeddings "
-          f"{cfg['tie_word_embeddings']}")  # fmt: skip
+    save_file(
+        {k: v.contiguous() for k, v in sd.items()},
+        str(args.out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    print(
+        f"wrote {args.out}: kv_lora_rank {args.pad_rank}, qk_rope_head_dim "
+        f"{cfg['qk_rope_head_dim']}, tie_word_embeddings "
+        f"{cfg['tie_word_embeddings']}"
+    )
     if args.check:  # transformers: the padded model's logits against the source export's
         import torch
         from transformers import AutoModelForCausalLM
@@ -319,8 +357,9 @@ def _greedy_hf(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     pos = 0
     for _ in range(n):
         pos_ids = torch.arange(pos, pos + x.shape[1])[None]
-        out = model(input_ids=x, position_ids=pos_ids, use_cache=True, logits_to_keep=1,
-                    **{key: cache})  # fmt: skip
+        out = model(
+            input_ids=x, position_ids=pos_ids, use_cache=True, logits_to_keep=1, **{key: cache}
+        )
         pos += x.shape[1]
         logits = out.logits[0, -1].float()
         top = torch.topk(logits, 2)
@@ -346,8 +385,10 @@ def run_reference(args) -> None:
         for r in recs:
             toks, gaps = _greedy_hf(model, r["prompt_token_ids"], args.max_new_tokens)
             f.write(json.dumps({"id": r["id"], "tokens": toks, "gaps": gaps}) + "\n")
-    print(f"transformers {transformers.__version__} {args.dtype}: {len(recs)} prompts x "
-          f"{args.max_new_tokens} tokens in {time.time() - t0:.0f}s -> {args.out}")  # fmt: skip
+    print(
+        f"transformers {transformers.__version__} {args.dtype}: {len(recs)} prompts x "
+        f"{args.max_new_tokens} tokens in {time.time() - t0:.0f}s -> {args.out}"
+    )
 
 
 # ------------------------------------------------------------------------------ vLLM side
@@ -424,13 +465,21 @@ def run_vllm(args) -> None:
     extra = {}
     if args.custom_ops:  # "all,-rotary_embedding" -> ["all", "-rotary_embedding"]
         extra["compilation_config"] = {"custom_ops": args.custom_ops.split(",")}
-    llm = LLM(model=str(args.model), tokenizer=str(args.tokenizer or args.model),
-              dtype=args.dtype, enforce_eager=True, max_model_len=max(max_len, 256),
-              max_num_seqs=args.max_num_seqs, seed=0, trust_remote_code=False,
-              **extra)  # fmt: skip
+    llm = LLM(
+        model=str(args.model),
+        tokenizer=str(args.tokenizer or args.model),
+        dtype=args.dtype,
+        enforce_eager=True,
+        max_model_len=max(max_len, 256),
+        max_num_seqs=args.max_num_seqs,
+        seed=0,
+        trust_remote_code=False,
+        **extra,
+    )
     load_s = time.time() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=True,
-                            logprobs=2)  # fmt: skip
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=True, logprobs=2
+    )
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in recs]
     t0 = time.time()
     outs = llm.generate(prompts, params)
@@ -440,11 +489,22 @@ def run_vllm(args) -> None:
         for r, o in zip(recs, outs, strict=True):
             c = o.outputs[0]
             gaps = [_logprob_gap(step) for step in (c.logprobs or [])]
-            f.write(json.dumps({"id": r["id"], "tokens": list(c.token_ids), "gaps": gaps,
-                                "tokenization_match": _vllm_ids(tok, r) == r["prompt_token_ids"],
-                                "text": c.text}) + "\n")  # fmt: skip
-    print(f"vllm {vllm.__version__} {args.dtype}: loaded in {load_s:.0f}s, {len(recs)} prompts "
-          f"x {args.max_new_tokens} tokens in {gen_s:.0f}s -> {args.out}")  # fmt: skip
+            f.write(
+                json.dumps(
+                    {
+                        "id": r["id"],
+                        "tokens": list(c.token_ids),
+                        "gaps": gaps,
+                        "tokenization_match": _vllm_ids(tok, r) == r["prompt_token_ids"],
+                        "text": c.text,
+                    }
+                )
+                + "\n"
+            )
+    print(
+        f"vllm {vllm.__version__} {args.dtype}: loaded in {load_s:.0f}s, {len(recs)} prompts "
+        f"x {args.max_new_tokens} tokens in {gen_s:.0f}s -> {args.out}"
+    )
 
 
 def _logprob_gap(step: dict) -> float:
@@ -476,10 +536,23 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-COLUMNS = ("name", "prompt", "kind", "prompt_tokens", "new_tokens", "exact", "first_divergence",
-           "matched_prefix", "ref_gap_at_div", "vllm_gap_at_div", "ref_token_at_div",
-           "vllm_token_at_div", "vllm_tokenization_match", "min_ref_gap",
-           "max_gap_diff")  # fmt: skip
+COLUMNS = (
+    "name",
+    "prompt",
+    "kind",
+    "prompt_tokens",
+    "new_tokens",
+    "exact",
+    "first_divergence",
+    "matched_prefix",
+    "ref_gap_at_div",
+    "vllm_gap_at_div",
+    "ref_token_at_div",
+    "vllm_token_at_div",
+    "vllm_tokenization_match",
+    "min_ref_gap",
+    "max_gap_diff",
+)
 
 
 def compare_records(name: str, prompts: list[dict], ref: list[dict], got: list[dict]) -> list[dict]:
@@ -506,35 +579,49 @@ def compare_records(name: str, prompts: list[dict], ref: list[dict], got: list[d
         def at(seq: list, i: int | None) -> object:
             return seq[i] if i is not None and i < len(seq) else ""
 
-        rows.append({
-            "name": name, "prompt": p["id"], "kind": p["kind"],
-            "prompt_tokens": len(p["prompt_token_ids"]), "new_tokens": len(a["tokens"]),
-            "exact": int(div is None), "first_divergence": "" if div is None else div,
-            "matched_prefix": len(a["tokens"]) if div is None else div,
-            "ref_gap_at_div": _fmt(at(a["gaps"], div)), "vllm_gap_at_div": _fmt(at(b["gaps"], div)),
-            "ref_token_at_div": at(a["tokens"], div), "vllm_token_at_div": at(b["tokens"], div),
-            "vllm_tokenization_match": _fmt(b.get("tokenization_match", "")),
-            "min_ref_gap": _fmt(min(a["gaps"]) if a["gaps"] else ""),
-            "max_gap_diff": _fmt(_max_gap_diff(a["gaps"], b["gaps"], div)),
-        })  # fmt: skip
+        rows.append(
+            {
+                "name": name,
+                "prompt": p["id"],
+                "kind": p["kind"],
+                "prompt_tokens": len(p["prompt_token_ids"]),
+                "new_tokens": len(a["tokens"]),
+                "exact": int(div is None),
+                "first_divergence": "" if div is None else div,
+                "matched_prefix": len(a["tokens"]) if div is None else div,
+                "ref_gap_at_div": _fmt(at(a["gaps"], div)),
+                "vllm_gap_at_div": _fmt(at(b["gaps"], div)),
+                "ref_token_at_div": at(a["tokens"], div),
+                "vllm_token_at_div": at(b["tokens"], div),
+                "vllm_tokenization_match": _fmt(b.get("tokenization_match", "")),
+                "min_ref_gap": _fmt(min(a["gaps"]) if a["gaps"] else ""),
+                "max_gap_diff": _fmt(_max_gap_diff(a["gaps"], b["gaps"], div)),
+            }
+        )
     n = len(rows)
     matched = sum(r["matched_prefix"] for r in rows)
     generated = sum(r["new_tokens"] for r in rows)
     divs = [r["first_divergence"] for r in rows if r["first_divergence"] != ""]
     tok_match = [r["vllm_tokenization_match"] for r in rows if r["vllm_tokenization_match"] != ""]
-    rows.append({
-        "name": name, "prompt": "ALL", "kind": f"{n} prompts",
-        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-        "new_tokens": sum(r["new_tokens"] for r in rows),
-        "exact": f"{sum(r['exact'] for r in rows) / n:.4f}",
-        "first_divergence": f"min {min(divs)}" if divs else "",
-        "matched_prefix": f"{matched / max(1, generated):.4f}",
-        "ref_gap_at_div": "", "vllm_gap_at_div": "", "ref_token_at_div": "",
-        "vllm_token_at_div": "",
-        "vllm_tokenization_match": f"{sum(x == '1' for x in tok_match)}/{len(tok_match)}",
-        "min_ref_gap": "",
-        "max_gap_diff": _fmt(max((float(r["max_gap_diff"]) for r in rows), default="")),
-    })  # fmt: skip
+    rows.append(
+        {
+            "name": name,
+            "prompt": "ALL",
+            "kind": f"{n} prompts",
+            "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+            "new_tokens": sum(r["new_tokens"] for r in rows),
+            "exact": f"{sum(r['exact'] for r in rows) / n:.4f}",
+            "first_divergence": f"min {min(divs)}" if divs else "",
+            "matched_prefix": f"{matched / max(1, generated):.4f}",
+            "ref_gap_at_div": "",
+            "vllm_gap_at_div": "",
+            "ref_token_at_div": "",
+            "vllm_token_at_div": "",
+            "vllm_tokenization_match": f"{sum(x == '1' for x in tok_match)}/{len(tok_match)}",
+            "min_ref_gap": "",
+            "max_gap_diff": _fmt(max((float(r["max_gap_diff"]) for r in rows), default="")),
+        }
+    )
     return rows
 
 
@@ -555,8 +642,9 @@ def _fmt(v: object) -> str:
 
 
 def run_compare(args) -> None:
-    rows = compare_records(args.name, _read_jsonl(args.prompts), _read_jsonl(args.reference),
-                           _read_jsonl(args.vllm))  # fmt: skip
+    rows = compare_records(
+        args.name, _read_jsonl(args.prompts), _read_jsonl(args.reference), _read_jsonl(args.vllm)
+    )
     new = not args.out.exists()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a", newline="") as f:
@@ -565,14 +653,18 @@ def run_compare(args) -> None:
             w.writeheader()
         w.writerows(rows)
     s = rows[-1]
-    print(f"{args.name}: exact {s['exact']} of {s['kind']}, matched-prefix fraction "
-          f"{s['matched_prefix']}, first divergence {s['first_divergence'] or 'none'}, "
-          f"vLLM tokenization {s['vllm_tokenization_match']}")  # fmt: skip
+    print(
+        f"{args.name}: exact {s['exact']} of {s['kind']}, matched-prefix fraction "
+        f"{s['matched_prefix']}, first divergence {s['first_divergence'] or 'none'}, "
+        f"vLLM tokenization {s['vllm_tokenization_match']}"
+    )
     for r in rows[:-1]:
         if not r["exact"]:
-            print(f"  {r['prompt']}: diverges at {r['first_divergence']} (ref gap "
-                  f"{r['ref_gap_at_div']}, vllm gap {r['vllm_gap_at_div']}; tokens "
-                  f"{r['ref_token_at_div']} vs {r['vllm_token_at_div']})")  # fmt: skip
+            print(
+                f"  {r['prompt']}: diverges at {r['first_divergence']} (ref gap "
+                f"{r['ref_gap_at_div']}, vllm gap {r['vllm_gap_at_div']}; tokens "
+                f"{r['ref_token_at_div']} vs {r['vllm_token_at_div']})"
+            )
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -592,9 +684,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     e.add_argument("--source", type=Path, required=True, help="the GQA HF checkpoint dir")
     e.add_argument("--out", type=Path, required=True)
-    e.add_argument("--saved", default=None,
-                   help="STEM of a saved healed MLA model (STEM.safetensors + STEM.json, "
-                        "experiments/smollm2_mla/smollm2_mla.py --save-dir) instead of converting")  # fmt: skip
+    e.add_argument(
+        "--saved",
+        default=None,
+        help="STEM of a saved healed MLA model (STEM.safetensors + STEM.json, "
+        "experiments/smollm2_mla/smollm2_mla.py --save-dir) instead of converting",
+    )
     e.add_argument("--kv-lora-rank", type=int, default=128)
     e.add_argument("--rope-dim", type=int, default=32)
     e.add_argument("--calib-seqs", type=int, default=8)
@@ -604,12 +699,18 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--src", type=Path, required=True)
     d.add_argument("--out", type=Path, required=True)
     d.add_argument("--pad-rank", type=int, default=512, help="new kv_lora_rank (default 512)")
-    d.add_argument("--pad-rope", type=int, default=None,
-                   help="new qk_rope_head_dim (e.g. 64; default: unchanged)")  # fmt: skip
+    d.add_argument(
+        "--pad-rope",
+        type=int,
+        default=None,
+        help="new qk_rope_head_dim (e.g. 64; default: unchanged)",
+    )
     d.add_argument("--untie", action="store_true", help="write lm_head.weight explicitly")
     d.add_argument("--check", action="store_true", help="compare logits in transformers")
-    for name, helptext in (("reference", "transformers greedy (project venv)"),
-                           ("vllm", "vLLM greedy on the CPU (.venv-vllm)")):  # fmt: skip
+    for name, helptext in (
+        ("reference", "transformers greedy (project venv)"),
+        ("vllm", "vLLM greedy on the CPU (.venv-vllm)"),
+    ):
         b = sub.add_parser(name, help=helptext)
         b.add_argument("--model", type=Path, required=True)
         b.add_argument("--prompts", type=Path, required=True)
@@ -621,12 +722,13 @@ def main(argv: list[str] | None = None) -> None:
             b.add_argument("--tokenizer", type=Path, default=None, help="default: --model")
             b.add_argument("--max-num-seqs", type=int, default=20)
             b.add_argument(
-                "--custom-ops", default=None,
+                "--custom-ops",
+                default=None,
                 help="vLLM compilation_config.custom_ops, comma-separated, e.g. "
                 "all,-rotary_embedding (vLLM "
                 "0.32's CPU rotary kernel is wrong on the [T, heads, dim] q/k DeepSeek's MLA "
                 "passes; -rotary_embedding uses its PyTorch path)",
-            )  # fmt: skip
+            )
     c = sub.add_parser("compare", help="token-by-token comparison -> CSV (either venv)")
     c.add_argument("--name", required=True, help="row label, e.g. q4_llama_fp32")
     c.add_argument("--prompts", type=Path, required=True)

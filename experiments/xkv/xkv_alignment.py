@@ -47,9 +47,16 @@ def hf_tiny(family: str, tmp: Path, layers: int = 4):
 
     from unicache_train.checkpoint.hf import import_hf
 
-    common = dict(vocab_size=260, hidden_size=128, intermediate_size=352,
-                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
+    common = dict(
+        vocab_size=260,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     cfg = {
         "llama": lambda: transformers.LlamaConfig(**common),
         "qwen2": lambda: transformers.Qwen2Config(**common),
@@ -102,8 +109,12 @@ def plot(results: dict[str, LayerAlignment], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results)
-    panels = (("overlap_k", "subspace overlap K"), ("overlap_v", "subspace overlap V"),
-              ("cka_k", "linear CKA K"), ("cka_v", "linear CKA V"))  # fmt: skip
+    panels = (
+        ("overlap_k", "subspace overlap K"),
+        ("overlap_v", "subspace overlap V"),
+        ("cka_k", "linear CKA K"),
+        ("cka_v", "linear CKA V"),
+    )
     fig, axes = plt.subplots(len(names), 4, figsize=(16, 3.6 * len(names)), squeeze=False)
     for row, name in enumerate(names):
         res = results[name]
@@ -114,8 +125,15 @@ def plot(results: dict[str, LayerAlignment], path: Path) -> None:
             L = m.shape[0]
             for i in range(L):
                 for j in range(L):
-                    ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", fontsize=7,
-                            color="w" if m[i, j] < 0.6 else "k")  # fmt: skip
+                    ax.text(
+                        j,
+                        i,
+                        f"{m[i, j]:.2f}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="w" if m[i, j] < 0.6 else "k",
+                    )
             extra = f" (random {res.random_overlap:.2f})" if attr.startswith("overlap") else ""
             ax.set_title(f"{name}: {title}{extra}", fontsize=9)
             ax.set_xticks(range(L))
@@ -170,8 +188,9 @@ def main() -> None:
 
             model, cfg = load_checkpoint(args.checkpoint)
             data_cfg = DataConfig(**{**cfg.data.__dict__, "pack": False, "batch_size": 16})
-            results["ours (trained tiny)"] = analyse(model.eval(), batches(data_cfg, args.batches),
-                                                     args.rank_fraction)  # fmt: skip
+            results["ours (trained tiny)"] = analyse(
+                model.eval(), batches(data_cfg, args.batches), args.rank_fraction
+            )
         data = batches(data_cfg, args.batches)
         with tempfile.TemporaryDirectory() as tmp:
             for fam in args.hf_family:

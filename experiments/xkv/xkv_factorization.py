@@ -105,11 +105,15 @@ def run(args) -> list[dict[str, str]]:
     batch = load_batches(data, 1)[0]
     ids, labels = batch["input_ids"], batch["labels"]
     T = ids.shape[1]
-    split = sample_splits(labels, batch.get("split"), min_context=32,
-                          generator=step_generator(0, 10_000))  # fmt: skip
+    split = sample_splits(
+        labels, batch.get("split"), min_context=32, generator=step_generator(0, 10_000)
+    )
     comps = {
-        name: XKVCompressor(XKVConfig(group_size=args.group_size, rank_mode="reduction",
-                                      reduction=args.reduction, **kw))  # fmt: skip
+        name: XKVCompressor(
+            XKVConfig(
+                group_size=args.group_size, rank_mode="reduction", reduction=args.reduction, **kw
+            )
+        )
         for name, kw in VARIANTS.items()
     }
     rec = RecordingCompressor(pre_rope=True)
@@ -129,8 +133,11 @@ def run(args) -> list[dict[str, str]]:
         comp._pooled, comp._pooled_step = {}, None  # a fresh pooled basis of this batch
         out = model(ids, split=split, compressor=comp, step=0)
         stats = out.compression_stats
-        st = {k: statistics.fmean(float(s[k]) for s in stats) for k in stats[0]
-              if k.startswith("xkv_")}  # fmt: skip
+        st = {
+            k: statistics.fmean(float(s[k]) for s in stats)
+            for k in stats[0]
+            if k.startswith("xkv_")
+        }
         # the forward's reduction: every layer's uncompressed bytes over every layer's stored
         stored = sum(float(s["kv_bytes"]) for s in stats)
         st["kv_reduction"] = sum(float(s["kv_bytes"] * s["kv_reduction"]) for s in stats) / stored
@@ -173,39 +180,54 @@ def gradient_agreement(args) -> list[dict[str, str]]:
     model.train()
     batch = load_batches(bench_data(args, tok), 1)[0]
     ids, labels = batch["input_ids"], batch["labels"]
-    split = sample_splits(labels, batch.get("split"), min_context=32,
-                          generator=step_generator(0, 10_000))  # fmt: skip
+    split = sample_splits(
+        labels, batch.get("split"), min_context=32, generator=step_generator(0, 10_000)
+    )
     cont = continuation_mask(split, ids.shape[1])
     grads = {}
     for mode in ("exact", "causal"):
         model.zero_grad(set_to_none=True)
-        comp = XKVCompressor(XKVConfig(group_size=args.group_size, rank_mode="reduction",
-                                       reduction=args.reduction, gradient=mode,
-                                       factorization=args.factorization))  # fmt: skip
+        comp = XKVCompressor(
+            XKVConfig(
+                group_size=args.group_size,
+                rank_mode="reduction",
+                reduction=args.reduction,
+                gradient=mode,
+                factorization=args.factorization,
+            )
+        )
         out = model(ids, split=split, compressor=comp, reference_logits=args.kl_weight > 0)
         loss = masked_lm_loss(out.logits, labels, cont)
         if args.kl_weight > 0:
             targets = cont & (labels != IGNORE_INDEX)
             loss = loss + args.kl_weight * compression_kl(out.reference_logits, out.logits, targets)
         loss.backward()
-        grads[mode] = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                       if p.grad is not None}  # fmt: skip
+        grads[mode] = {
+            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+        }
     names = sorted(set(grads["exact"]) & set(grads["causal"]))
     flat = {m: torch.cat([grads[m][n].flatten().double() for n in names]) for m in grads}
-    per = {n: float(F.cosine_similarity(grads["exact"][n].flatten().double(),
-                                        grads["causal"][n].flatten().double(), dim=0))
-           for n in names}  # fmt: skip
+    per = {
+        n: float(
+            F.cosine_similarity(
+                grads["exact"][n].flatten().double(), grads["causal"][n].flatten().double(), dim=0
+            )
+        )
+        for n in names
+    }
     worst = min(per, key=per.get)
     kv = [v for n, v in per.items() if "k_proj" in n or "v_proj" in n]
-    return [{
-        "kl_weight": f"{args.kl_weight:g}",
-        "cosine_all": f"{float(F.cosine_similarity(flat['exact'], flat['causal'], dim=0)):.4f}",
-        "norm_ratio": f"{float(flat['causal'].norm() / flat['exact'].norm()):.4f}",
-        "cosine_kv_proj_min": f"{min(kv):.4f}",
-        "cosine_kv_proj_mean": f"{statistics.fmean(kv):.4f}",
-        "worst_tensor": worst,
-        "worst_cosine": f"{per[worst]:.4f}",
-    }]  # fmt: skip
+    return [
+        {
+            "kl_weight": f"{args.kl_weight:g}",
+            "cosine_all": f"{float(F.cosine_similarity(flat['exact'], flat['causal'], dim=0)):.4f}",
+            "norm_ratio": f"{float(flat['causal'].norm() / flat['exact'].norm()):.4f}",
+            "cosine_kv_proj_min": f"{min(kv):.4f}",
+            "cosine_kv_proj_mean": f"{statistics.fmean(kv):.4f}",
+            "worst_tensor": worst,
+            "worst_cosine": f"{per[worst]:.4f}",
+        }
+    ]
 
 
 def main() -> None:
@@ -215,8 +237,11 @@ def main() -> None:
     p.add_argument("--checkpoint", default=None, help="a Lightning checkpoint of this project")
     p.add_argument("--reduction", type=float, default=4.0)
     p.add_argument("--group-size", type=int, default=2)
-    p.add_argument("--gradients", action="store_true",
-                   help="instead: cosine of the exact and causal gradients (gradient_agreement)")
+    p.add_argument(
+        "--gradients",
+        action="store_true",
+        help="instead: cosine of the exact and causal gradients (gradient_agreement)",
+    )
     p.add_argument("--kl-weight", type=float, default=0.5, help="--gradients' KL weight")
     p.add_argument("--factorization", default="gram", help="--gradients' factorisation")
     p.set_defaults(repeats=5)
@@ -225,17 +250,33 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     name = args.hf or (Path(args.checkpoint).name if args.checkpoint else "tiny (random)")
     if args.gradients:
-        setup = {"model": name, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                 "reduction": args.reduction, "group_size": args.group_size}  # fmt: skip
-        report(f"xKV exact vs causal gradient, {name}", gradient_agreement(args),
-               "xkv_gradient_modes", setup)  # fmt: skip
+        setup = {
+            "model": name,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "reduction": args.reduction,
+            "group_size": args.group_size,
+        }
+        report(
+            f"xKV exact vs causal gradient, {name}",
+            gradient_agreement(args),
+            "xkv_gradient_modes",
+            setup,
+        )
         return
     rows = run(args)
-    title = (f"xKV factorisations, {name}, B={args.batch_size}, T={args.seq_len}, "
-             f"{args.reduction:g}x groups of {args.group_size}, {args.repeats} repeats")
-    setup = {"model": name, "batch_size": args.batch_size, "seq_len": args.seq_len,
-             "reduction": args.reduction, "group_size": args.group_size,
-             "repeats": args.repeats}
+    title = (
+        f"xKV factorisations, {name}, B={args.batch_size}, T={args.seq_len}, "
+        f"{args.reduction:g}x groups of {args.group_size}, {args.repeats} repeats"
+    )
+    setup = {
+        "model": name,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "reduction": args.reduction,
+        "group_size": args.group_size,
+        "repeats": args.repeats,
+    }
     report(title, rows, "xkv_factorization", setup)
 
 

@@ -143,8 +143,11 @@ def to_deepseek_v3_config(
         "tie_word_embeddings": config.tie_word_embeddings,
         "rope_parameters": rope,
         # The legacy key too for a scaled model (older transformers / vLLM read it).
-        **({"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}}
-           if rope["rope_type"] != "default" else {}),
+        **(
+            {"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}}
+            if rope["rope_type"] != "default"
+            else {}
+        ),
         "rope_theta": float(config.rope_theta),
         "rope_interleave": True,
         "attention_bias": False,
@@ -341,9 +344,7 @@ def _split_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _stack_experts(
-    hf_sd: dict[str, torch.Tensor], config: ModelConfig
-) -> dict[str, torch.Tensor]:
+def _stack_experts(hf_sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Per-expert tensors of the decoder's MoE layers -> the stacked ``mlp.experts.gate_up_proj``
     / ``mlp.experts.down_proj`` (checked one by one first); other tensors unchanged.
 
@@ -380,8 +381,12 @@ def _stack_experts(
                 f"layer {layer} holds both per-expert tensors ({p}{{e}}.*) and fused ones "
                 f"({p}gate_up_proj / down_proj); a checkpoint has one layout"
             )
-        missing = [f"{p}{e}.{proj}_proj.weight" for e in range(E) for proj in shapes
-                   if (e, proj) not in got]  # fmt: skip
+        missing = [
+            f"{p}{e}.{proj}_proj.weight"
+            for e in range(E)
+            for proj in shapes
+            if (e, proj) not in got
+        ]
         if missing:
             raise DeepseekV3ExportError(
                 f"layer {layer} misses expert tensors: {missing[:8]}"
@@ -428,8 +433,9 @@ def from_deepseek_v3_state_dict(
         sd[ours] = w
     if config.tie_word_embeddings and "embed_tokens.weight" in sd:
         sd.setdefault("lm_head.weight", sd["embed_tokens.weight"])
-    missing = sorted(("model." + k if k != "lm_head.weight" else k)
-                     for k in set(expected) - set(sd))  # fmt: skip
+    missing = sorted(
+        ("model." + k if k != "lm_head.weight" else k) for k in set(expected) - set(sd)
+    )
     if unexpected or missing:
         raise DeepseekV3ExportError(
             f"tensors do not match config.json (family 'deepseek_v3'): missing {missing}, "
@@ -484,13 +490,23 @@ def export_deepseek_v3(
         sd = {k: (v if _is_router(k) else v.to(dtype)) for k, v in sd.items()}
     dtype_name = str(next(iter(sd.values())).dtype).removeprefix("torch.")
     hf_config = to_deepseek_v3_config(model.config, dtype=dtype_name)
-    hf_config.update(serving.special_token_ids(
-        source, model.config.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-    ))  # fmt: skip
+    hf_config.update(
+        serving.special_token_ids(
+            source,
+            model.config.vocab_size,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+        )
+    )
     return serving.write_export_dir(
-        out_dir, hf_config, sd, source, compression_policy=compression_policy,
-        bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-    )  # fmt: skip
+        out_dir,
+        hf_config,
+        sd,
+        source,
+        compression_policy=compression_policy,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )
 
 
 def import_deepseek_v3(path: str | Path) -> Decoder:

@@ -101,17 +101,35 @@ def export_checkpoint(
     return out
 
 
-def _write_export(model, tmp: Path, format: str, family: str, dtype: str,  # noqa: A002
-                  policy: dict[str, Any] | None, tokenizer: str | None) -> None:
+def _write_export(
+    model,
+    tmp: Path,
+    format: str,
+    family: str,
+    dtype: str,  # noqa: A002
+    policy: dict[str, Any] | None,
+    tokenizer: str | None,
+) -> None:
     if format == "deepseek_v3":
         from unicache_train.checkpoint.deepseek_v3 import export_deepseek_v3
         from unicache_train.checkpoint.hf import dtype_name
 
-        export_deepseek_v3(model, tmp, dtype=dtype_name(dtype, model), compression_policy=policy,
-                           tokenizer_from=tokenizer)  # fmt: skip
+        export_deepseek_v3(
+            model,
+            tmp,
+            dtype=dtype_name(dtype, model),
+            compression_policy=policy,
+            tokenizer_from=tokenizer,
+        )
     else:
-        export_hf(model, tmp, family=family, dtype=dtype, compression_policy=policy,
-                  tokenizer_from=tokenizer)  # fmt: skip
+        export_hf(
+            model,
+            tmp,
+            family=family,
+            dtype=dtype,
+            compression_policy=policy,
+            tokenizer_from=tokenizer,
+        )
 
 
 def check_export_target(out: Path, overwrite: bool) -> None:

@@ -163,8 +163,9 @@ def check_gguf_file(path: str | Path) -> None:
         GGUFReader(path)  # memory-mapped: parses the metadata and checks every tensor's extent
     except (ValueError, IndexError, KeyError, struct.error, OSError) as err:
         first = (str(err).splitlines() or [type(err).__name__])[0]
-        raise HFCheckpointError(f"{path}: not a readable GGUF file, truncated or corrupt "
-                                f"({first})") from None
+        raise HFCheckpointError(
+            f"{path}: not a readable GGUF file, truncated or corrupt ({first})"
+        ) from None
 
 
 def gguf_to_hf_dir(gguf_file: str | Path, out_dir: str | Path) -> Path:

@@ -51,8 +51,12 @@ def merge_kv_heads(model: Decoder, groups: list[list[list[int]]]) -> Decoder:
     config: ModelConfig = model.config
     if config.attention_type != "gqa":
         raise HFCheckpointError("merge_kv_heads: GQA models only")
-    L, Hk, H, D = (config.num_hidden_layers, config.num_key_value_heads,
-                   config.num_attention_heads, config.head_size)
+    L, Hk, H, D = (
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.num_attention_heads,
+        config.head_size,
+    )
     if len(groups) != L:
         raise HFCheckpointError(f"merge_kv_heads: {len(groups)} layer groupings for {L} layers")
     G = len(groups[0])

@@ -85,9 +85,7 @@ __all__ = ["import_hf", "export_hf", "dtype_name"]
 _REMOTE_CODE = Path(__file__).parent / "remote_code"
 
 
-def import_hf(
-    path: str | Path, *, dtype: torch.dtype | None = None
-) -> tuple[Decoder, ModelConfig]:
+def import_hf(path: str | Path, *, dtype: torch.dtype | None = None) -> tuple[Decoder, ModelConfig]:
     """Build our :class:`Decoder` from a local HF checkpoint directory or a ``.gguf`` file.
 
     Supports ``llama``, ``qwen2``, ``qwen3``, ``mistral`` and our ``unicache_mhc`` export. The
@@ -136,13 +134,18 @@ def dtype_name(dtype: torch.dtype | str | None, model: Decoder) -> torch.dtype:
     if dtype is None:
         return model.embed_tokens.weight.dtype
     if isinstance(dtype, str):
-        names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+        names = {
+            "fp32": torch.float32,
+            "float32": torch.float32,
+            "bf16": torch.bfloat16,
+            "bfloat16": torch.bfloat16,
+            "fp16": torch.float16,
+            "float16": torch.float16,
+        }
         if dtype not in names:
             raise HFCheckpointError(f"dtype={dtype!r}: choose one of {sorted(names)}")
         return names[dtype]
     return dtype
-
 
 
 def export_hf(
@@ -197,14 +200,22 @@ def export_hf(
     keep = {k for k in sd if is_hc_param(k) or k.endswith(ROUTER_SUFFIXES)}
     sd = {k: (v if k in keep else v.to(target)) for k, v in sd.items()}
     hf_config = to_hf_config(model.config, family, dtype=str(target).removeprefix("torch."))
-    hf_config.update(serving.special_token_ids(
-        source, model.config.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-    ))  # fmt: skip
+    hf_config.update(
+        serving.special_token_ids(
+            source,
+            model.config.vocab_size,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+        )
+    )
     code = ("configuration_unicache_mhc.py", "modeling_unicache_mhc.py")
     return write_export_dir(
-        out_dir, hf_config, sd, source, compression_policy=compression_policy,
+        out_dir,
+        hf_config,
+        sd,
+        source,
+        compression_policy=compression_policy,
         remote_code=[_REMOTE_CODE / name for name in code] if model.config.uses_streams else (),
-        bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-    )  # fmt: skip
-
-
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )

@@ -82,8 +82,16 @@ def rope_from_hf(
             f"config.json rope_parameters (rope_type={rope_type!r}) lacks {missing}; "
             f"{rope_type} reads {list(used)}"
         )
-    for k in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
-              "mscale", "mscale_all_dim", "attention_factor"):
+    for k in (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+    ):
         if isinstance(kw.get(k), int) and not isinstance(kw[k], bool):
             kw[k] = float(kw[k])  # JSON writes 8.0 as 8 sometimes; our fields are floats
     try:
@@ -156,14 +164,26 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
         w = hf.get("sliding_window")
         if w is not None and int(w) < int(hf.get("max_position_embeddings", 4096)):
             window = {"sliding_window": int(w)}  # every layer (transformers' Mistral)
-    return _model_config(hf, attention_bias=bias, qk_norm=model_type == "qwen3",
-                         **window), model_type  # fmt: skip
+    return _model_config(
+        hf, attention_bias=bias, qk_norm=model_type == "qwen3", **window
+    ), model_type
 
 
-_REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                   "num_attention_heads")
-_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings",
-                   "sliding_window", "max_window_layers", "sliding_window_pattern")
+_REQUIRED_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+_OPTIONAL_SIZES = (
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "sliding_window",
+    "max_window_layers",
+    "sliding_window_pattern",
+)
 
 
 def _check_size_fields(hf: Any) -> None:
@@ -234,8 +254,11 @@ def _from_gemma3_config(hf: dict[str, Any]) -> ModelConfig:
     if window is None:
         types = ["full_attention"] * L
     return _model_config(
-        {**flat, "tie_word_embeddings": hf.get("tie_word_embeddings", True),
-         "max_position_embeddings": hf.get("max_position_embeddings", 131_072)},
+        {
+            **flat,
+            "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+            "max_position_embeddings": hf.get("max_position_embeddings", 131_072),
+        },
         attention_bias=bool(hf.get("attention_bias", False)),
         qk_norm=True,
         block_style="gemma3",
@@ -327,9 +350,17 @@ def _from_mhc_config(hf: dict[str, Any]) -> ModelConfig:
 
 
 # ModelConfig's MoE fields our mHC format writes to config.json (same names, as DeepseekV3).
-_MHC_MOE_FIELDS = ("n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-                   "moe_intermediate_size", "first_k_dense_replace", "n_group", "topk_group",
-                   "norm_topk_prob", "routed_scaling_factor")  # fmt: skip
+_MHC_MOE_FIELDS = (
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "n_shared_experts",
+    "moe_intermediate_size",
+    "first_k_dense_replace",
+    "n_group",
+    "topk_group",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+)
 
 
 def _mhc_moe_config(config: ModelConfig) -> dict[str, Any]:
@@ -379,9 +410,12 @@ def check_family(config: ModelConfig, family: str) -> None:
             f"ModelConfig.block_style={config.block_style!r} cannot be written as "
             f"family={family!r} (the Gemma 3 block exists in, and only in, gemma3_text)"
         )
-    if not gemma and (config.rope_local_theta is not None or config.query_pre_attn_scalar
-                      is not None or config.attn_logit_softcapping is not None
-                      or config.final_logit_softcapping is not None):  # fmt: skip
+    if not gemma and (
+        config.rope_local_theta is not None
+        or config.query_pre_attn_scalar is not None
+        or config.attn_logit_softcapping is not None
+        or config.final_logit_softcapping is not None
+    ):
         raise HFCheckpointError(
             f"family={family!r} has no rope_local_theta, query_pre_attn_scalar or softcapping "
             "(Gemma 3 options); export as 'gemma3_text'"
@@ -471,11 +505,19 @@ def to_hf_config(
     ]
     if family in ("qwen2", "qwen3") and not mhc:
         if config.has_sliding_layers:
-            out.update(use_sliding_window=True, sliding_window=config.sliding_window,
-                       max_window_layers=types.index("sliding_attention"), layer_types=types)
+            out.update(
+                use_sliding_window=True,
+                sliding_window=config.sliding_window,
+                max_window_layers=types.index("sliding_attention"),
+                layer_types=types,
+            )
         else:
-            out.update(use_sliding_window=False, sliding_window=None, max_window_layers=0,
-                       layer_types=types)
+            out.update(
+                use_sliding_window=False,
+                sliding_window=None,
+                max_window_layers=0,
+                layer_types=types,
+            )
     if family == "mistral" and not mhc:
         out["sliding_window"] = config.sliding_window if config.has_sliding_layers else None
     if family == "gemma3_text" and not mhc:
@@ -484,20 +526,19 @@ def to_hf_config(
         out.update(
             hidden_activation="gelu_pytorch_tanh",
             attention_bias=config.attention_bias,
-            rope_parameters={"full_attention": rope_to_hf(config),
-                             "sliding_attention": {"rope_type": "default",
-                                                   "rope_theta": float(local)}},
+            rope_parameters={
+                "full_attention": rope_to_hf(config),
+                "sliding_attention": {"rope_type": "default", "rope_theta": float(local)},
+            },
             query_pre_attn_scalar=_pre_attn_scalar(config),
             sliding_window=config.sliding_window,
             layer_types=types,
             attn_logit_softcapping=None,
             final_logit_softcapping=config.final_logit_softcapping,
             use_bidirectional_attention=False,
-        )  # fmt: skip
+        )
         return out
     if config.rope_scaling.rope_type != "default":
         # Legacy key of older transformers / vLLM (v5 prefers it when present: same content).
         out["rope_scaling"] = {k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}
     return out
-
-

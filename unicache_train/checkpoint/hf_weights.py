@@ -19,9 +19,7 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FINITE_CHUNK = 1 << 24
 
 
-def check_weight(
-    name: str, w: torch.Tensor, error: type[ValueError] = HFCheckpointError
-) -> None:
+def check_weight(name: str, w: torch.Tensor, error: type[ValueError] = HFCheckpointError) -> None:
     """Refuse a checkpoint tensor that our float decoder would misread.
 
     Args:
@@ -91,8 +89,10 @@ def from_hf_state_dict(
             )
         sd[ours] = w
     if config.tie_word_embeddings:
-        if "lm_head.weight" in sd and "embed_tokens.weight" in sd and not torch.equal(
-            sd["lm_head.weight"], sd["embed_tokens.weight"]
+        if (
+            "lm_head.weight" in sd
+            and "embed_tokens.weight" in sd
+            and not torch.equal(sd["lm_head.weight"], sd["embed_tokens.weight"])
         ):
             raise HFCheckpointError(
                 "tie_word_embeddings=True but 'lm_head.weight' differs from "
@@ -139,12 +139,8 @@ def to_hf_state_dict(model: Decoder, family: str = "llama") -> dict[str, torch.T
     return out
 
 
-
-
 ROUTER_SUFFIXES = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 
 
 def is_hc_param(name: str) -> bool:
     return ".attn_hc." in name or ".ffn_hc." in name or ".hc_head." in name
-
-

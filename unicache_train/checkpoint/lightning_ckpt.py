@@ -36,15 +36,19 @@ def read_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
     return ckpt
 
 
-def check_state_dict(state: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]],
-                     path: str | Path, what: str) -> None:
+def check_state_dict(
+    state: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], path: str | Path, what: str
+) -> None:
     """Raise :class:`CheckpointError` in one line unless ``state`` has exactly the tensors of
     ``expected`` (name -> shape): the counts of missing, unexpected and mis-shaped tensors with
     the first of each."""
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
-    shaped = [k for k in expected if k in state
-              and tuple(getattr(state[k], "shape", ())) != tuple(expected[k])]  # fmt: skip
+    shaped = [
+        k
+        for k in expected
+        if k in state and tuple(getattr(state[k], "shape", ())) != tuple(expected[k])
+    ]
     if not (missing or unexpected or shaped):
         return
     parts = []
@@ -54,8 +58,10 @@ def check_state_dict(state: Mapping[str, Any], expected: Mapping[str, tuple[int,
         parts.append(f"{len(unexpected)} unexpected (first {unexpected[0]})")
     if shaped:
         k = shaped[0]
-        parts.append(f"{len(shaped)} of another shape (first {k}: {list(state[k].shape)} in the "
-                     f"file, {list(expected[k])} expected)")
+        parts.append(
+            f"{len(shaped)} of another shape (first {k}: {list(state[k].shape)} in the "
+            f"file, {list(expected[k])} expected)"
+        )
     raise CheckpointError(f"{path}: its weights do not fit {what}: {', '.join(parts)}")
 
 
@@ -88,8 +94,9 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> tuple[Decode
         )
 
         if not is_zero_checkpoint(path):
-            raise CheckpointError(f"{path}: a directory but not a ZeRO checkpoint (no 'latest' "
-                                  "file)")
+            raise CheckpointError(
+                f"{path}: a directory but not a ZeRO checkpoint (no 'latest' file)"
+            )
         ckpt = read_zero_client_state(path)
         ckpt["state_dict"] = consolidate_zero_checkpoint(path)
     elif path.is_file():
@@ -98,16 +105,18 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> tuple[Decode
         raise FileNotFoundError(f"checkpoint not found: {path}")
     hparams = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
     if not isinstance(hparams, Mapping) or not isinstance(hparams.get("config"), Mapping):
-        raise CheckpointError(f"{path}: not a unicache_train checkpoint (no "
-                              "hyper_parameters.config)")
+        raise CheckpointError(
+            f"{path}: not a unicache_train checkpoint (no hyper_parameters.config)"
+        )
     try:
         config = RunConfig.from_dict(dict(hparams["config"]))
     except ConfigError as err:
         raise ConfigError(f"{path}: hyper_parameters.config: {err}") from None
     check_model_fits(config.model, f"{path}: hyper_parameters.config.model")
     model = Decoder(config.model)
-    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
-             if k.startswith("model.")}
+    state = {
+        k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")
+    }
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_state_dict(state, expected, path, "the model its config describes")
     model.load_state_dict(state)

@@ -45,8 +45,11 @@ def policy_of(compress: CompressionTrainConfig) -> dict[str, Any] | None:
     if not compress.enabled:
         return None
     # unicache / xkv are resolved configurations after validation: every field is written.
-    policy = {"method": compress.method, "preset": compress.preset,
-              "unicache": compress.unicache.to_dict()}  # fmt: skip
+    policy = {
+        "method": compress.method,
+        "preset": compress.preset,
+        "unicache": compress.unicache.to_dict(),
+    }
     if "xkv" in compress.method:  # the cross-layer SVD setting the model was tuned for
         policy["xkv"] = compress.xkv.to_dict()
     return policy
@@ -99,8 +102,9 @@ def read_policy(export_dir: str | Path) -> dict[str, Any] | None:
         )
     unknown = sorted(set(doc) - _DOC_KEYS)
     if unknown:  # e.g. an auto_map: nothing in this file may name code
-        raise ConfigError(f"{file}: unknown key(s) {unknown} at the top level; allowed: "
-                          f"{sorted(_DOC_KEYS)}")
+        raise ConfigError(
+            f"{file}: unknown key(s) {unknown} at the top level; allowed: {sorted(_DOC_KEYS)}"
+        )
     version = doc.get("schema_version")
     if version != COMPRESSION_SCHEMA_VERSION:
         raise ConfigError(
@@ -112,13 +116,12 @@ def read_policy(export_dir: str | Path) -> dict[str, Any] | None:
         raise ConfigError(f"{file}: 'policy' must be a mapping, got {type(policy).__name__}")
     unknown = sorted(set(policy) - _POLICY_KEYS)
     if unknown:
-        raise ConfigError(f"{file}: unknown key(s) {unknown} in policy; allowed: "
-                          f"{sorted(_POLICY_KEYS)}")
+        raise ConfigError(
+            f"{file}: unknown key(s) {unknown} in policy; allowed: {sorted(_POLICY_KEYS)}"
+        )
     method = policy.get("method")
     if method not in COMPRESS_METHODS:
-        raise ConfigError(
-            f"{file}: policy.method={method!r}; allowed: {list(COMPRESS_METHODS)}"
-        )
+        raise ConfigError(f"{file}: policy.method={method!r}; allowed: {list(COMPRESS_METHODS)}")
     if method != "none":
         # NOTE: the writer stores resolved configurations; a missing or empty section would be
         # filled with today's defaults, not the run's settings, so it is refused.

@@ -69,5 +69,3 @@ def read_config_json(path: Path) -> dict[str, Any]:
         return json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise HFCheckpointError(f"{config_file}: invalid JSON ({err})") from err
-
-

@@ -211,18 +211,19 @@ def write_serving_files(
     elif isinstance(source, ByteTokenizer):
         if source.vocab_size > vocab_size:
             _warn_missing(
-                out, f"the byte tokenizer has {source.vocab_size} tokens but the model's "
-                f"vocab_size is {vocab_size}"
-            )  # fmt: skip
+                out,
+                f"the byte tokenizer has {source.vocab_size} tokens but the model's "
+                f"vocab_size is {vocab_size}",
+            )
         else:
             written |= byte_tokenizer_files(out, int(hf_config.get("max_position_embeddings", 0)))
     elif source is not None:
         tok = getattr(source, "tok", source)
         if len(tok) > vocab_size:
             _warn_missing(
-                out, f"the tokenizer has {len(tok)} tokens but the model's vocab_size is "
-                f"{vocab_size}"
-            )  # fmt: skip
+                out,
+                f"the tokenizer has {len(tok)} tokens but the model's vocab_size is {vocab_size}",
+            )
         else:
             before = {p.name for p in out.iterdir()}
             tok.save_pretrained(str(out))
@@ -271,8 +272,11 @@ def _warn_missing(out: Path, why: str, depth: int = 0) -> None:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what ByteLevel pre-tokenizes to)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = list(printable)
     extra = 0
     for b in range(256):
@@ -365,7 +369,8 @@ def write_export_dir(
         write_compression_config(compression_policy, out)
     else:
         (out / COMPRESSION_CONFIG).unlink(missing_ok=True)
-    write_serving_files(out, source, hf_config, bos_token_id=bos_token_id,
-                        eos_token_id=eos_token_id)  # fmt: skip
+    write_serving_files(
+        out, source, hf_config, bos_token_id=bos_token_id, eos_token_id=eos_token_id
+    )
     write_manifest(out)  # unicache_manifest.json: what serving verifies
     return out

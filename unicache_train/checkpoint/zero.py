@@ -109,8 +109,14 @@ _DEEPSPEED_KEYS = (
     "ds_config",
     "ds_version",
 )
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 # --------------------------------------------------------------------------------- inspection
@@ -299,8 +305,9 @@ def to_universal_checkpoint(ckpt_dir: str | Path, workers: int = 1) -> Path:
     log.debug("ds_to_universal %s:\n%s", tag_dir, report.getvalue())
     publish(tmp, out)
     atomic_write(ckpt_dir / _LATEST_UNIVERSAL, lambda f: f.write_text(UNIVERSAL_TAG))
-    log.info("converted %s (%d ranks) to a universal checkpoint", ckpt_dir,
-             zero_world_size(ckpt_dir))
+    log.info(
+        "converted %s (%d ranks) to a universal checkpoint", ckpt_dir, zero_world_size(ckpt_dir)
+    )
     return ckpt_dir
 
 

@@ -122,9 +122,12 @@ class ComposedCompressor:
     ) -> None:
         _check_number("target_rate", target_rate, 0.0, MAX_RATE)
         _check_number("rate_scale", rate_scale, 0.0, 1.0)
-        for name, value, lo in (("window", window, 1), ("neighbours", neighbours, 0),
-                                ("frame_stride", frame_stride, 0),
-                                ("curriculum_steps", curriculum_steps, 0)):
+        for name, value, lo in (
+            ("window", window, 1),
+            ("neighbours", neighbours, 0),
+            ("frame_stride", frame_stride, 0),
+            ("curriculum_steps", curriculum_steps, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ValueError(
                     f"ComposedCompressor.{name}={value!r} is out of range; allowed an integer "
@@ -271,10 +274,13 @@ class UniCacheCompressor(ComposedCompressor):
         if (sel.method == "retention") != (retention is not None):
             raise ValueError(
                 f"UniCacheCompressor: selection.method={sel.method!r} "
-                + ("needs a RetentionPolicy (unicache_train.inloop.build_compressor(config, "
-                   "model) attaches one to the model)" if retention is None else
-                   "takes no RetentionPolicy; set selection.method='retention' to use it")
-            )  # fmt: skip
+                + (
+                    "needs a RetentionPolicy (unicache_train.inloop.build_compressor(config, "
+                    "model) attaches one to the model)"
+                    if retention is None
+                    else "takes no RetentionPolicy; set selection.method='retention' to use it"
+                )
+            )
         # The scorer (stage 2): UniCache's importance or one of the selections of
         # docs/compression_methods.md; every later step is shared.
         scorer: CompressionStep

@@ -516,15 +516,26 @@ class MergeEvict(MergeEvictConfig):
         # the sync-free folds.
         if latent or using_reference_kernels() or state.keys.device.type != "cpu":
             k, v, counts = merge_tokens(
-                state.keys, state.values, plan, scores, mask, rescale=self.merge_rescale,
+                state.keys,
+                state.values,
+                plan,
+                scores,
+                mask,
+                rescale=self.merge_rescale,
                 latent=latent,
-            )  # fmt: skip
+            )
             seg = gather_segment(k, v, counts, plan, state.inp.positions, state.modality_ids)
         else:  # the same segment, without [B, H, T, D] work (compress/kernels.py)
             seg = merge_gather_segment(
-                state.keys, state.values, plan, scores, mask, state.inp.positions,
-                state.modality_ids, rescale=self.merge_rescale,
-            )  # fmt: skip
+                state.keys,
+                state.values,
+                plan,
+                scores,
+                mask,
+                state.inp.positions,
+                state.modality_ids,
+                rescale=self.merge_rescale,
+            )
         if latent:
             seg.values, seg.latent = seg.keys[..., : v.shape[-1]], True
         seg.head_groups = state.head_groups

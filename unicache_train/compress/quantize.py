@@ -108,16 +108,19 @@ class Quantize(QuantizeConfig):
         bits = int(self.bits)  # type: ignore[arg-type]
         dv = seg.values.shape[-1]
         if seg.latent:  # MLA: the latent once, c_kv and k_pe with their own scales
-            c, cq, cs = quantize_symmetric(seg.keys[..., :dv], seg.valid, bits, self.granularity,
-                                           sdt)  # fmt: skip
-            pe, pq, ps = quantize_symmetric(seg.keys[..., dv:], seg.valid, bits, self.granularity,
-                                            sdt)  # fmt: skip
+            c, cq, cs = quantize_symmetric(
+                seg.keys[..., :dv], seg.valid, bits, self.granularity, sdt
+            )
+            pe, pq, ps = quantize_symmetric(
+                seg.keys[..., dv:], seg.valid, bits, self.granularity, sdt
+            )
             if bits == 4:
                 cq, pq = pack_int4(cq), pack_int4(pq)
             seg.keys = torch.cat([c, pe], -1)
             seg.values = seg.keys[..., :dv]
-            seg.quant = QuantizedKV(bits, self.granularity, pq, cq, ps, cs, seg.keys.shape[-1],
-                                    dv, latent=True)  # fmt: skip
+            seg.quant = QuantizedKV(
+                bits, self.granularity, pq, cq, ps, cs, seg.keys.shape[-1], dv, latent=True
+            )
             state.segment = seg
             return state
         seg.keys, kq, ks = quantize_symmetric(seg.keys, seg.valid, bits, self.granularity, sdt)

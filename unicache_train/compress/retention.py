@@ -102,8 +102,11 @@ class RetentionPolicy(nn.Module):
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim)):  # fmt: skip
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"RetentionPolicy.{name}={value!r} is out of range; allowed an integer in "
@@ -317,8 +320,13 @@ class RetentionGate(SelectionConfig):
         if self.relaxation == "gumbel_sigmoid":
             alpha = torch.sigmoid((z + _logistic_like(z)) / tau)  # [B, T]
             # Every context token, weighted by its gate (attention adds log(alpha)).
-            seg = identity_segment(state.inp, state.keys, state.values,
-                                   head_groups=state.head_groups, with_assignment=True)  # fmt: skip
+            seg = identity_segment(
+                state.inp,
+                state.keys,
+                state.values,
+                head_groups=state.head_groups,
+                with_assignment=True,
+            )
             seg.counts = torch.where(mask, alpha, torch.ones_like(alpha)).to(seg.keys.dtype)
             # The forward removed nothing (every token is weighted instead): the segment's
             # rate_realized and kv_reduction say so; `relaxed` marks it (no shortfall warning).

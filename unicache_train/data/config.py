@@ -108,5 +108,3 @@ class DataConfig(ConfigBase):
         check_choice(self, "split_at", ("answer", "question"))
         if not isinstance(self.prompt_loss, bool):
             raise ConfigError(f"DataConfig.prompt_loss={self.prompt_loss!r}: expected a bool")
-
-

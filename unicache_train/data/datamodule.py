@@ -174,8 +174,9 @@ def first_bad_line(files: Sequence[str], loader: str) -> str | None:
                 except RecursionError:
                     return f"{f} line {n}: JSON nested too deeply to read"
                 if not whole_json and not isinstance(value, dict):
-                    return (f"{f} line {n}: expected a JSON object per line, got "
-                            f"{type(value).__name__}")
+                    return (
+                        f"{f} line {n}: expected a JSON object per line, got {type(value).__name__}"
+                    )
     return None
 
 

@@ -137,8 +137,14 @@ class MultimodalDataConfig:
                 f"MultimodalDataConfig.source={src!r}: expected 'synthetic', a directory or "
                 "parquet path(s)"
             )
-        for name in ("image_column", "text_column", "question_column", "answer_column",
-                     "task_column", "tokenizer"):  # fmt: skip
+        for name in (
+            "image_column",
+            "text_column",
+            "question_column",
+            "answer_column",
+            "task_column",
+            "tokenizer",
+        ):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"MultimodalDataConfig.{name}={value!r}: expected a name")
@@ -484,8 +490,10 @@ class MultimodalDataModule(LMDataModule):
             S = self.image_size
             self.train_dataset = ImageTextDataset(ds.select(perm[n_val:]), cfg, tok, S, P)
             self.val_dataset = ImageTextDataset(ds.select(perm[:n_val]), cfg, tok, S, P)
-        self.stats = {"train_records": len(self.train_dataset),
-                      "val_records": len(self.val_dataset)}  # fmt: skip
+        self.stats = {
+            "train_records": len(self.train_dataset),
+            "val_records": len(self.val_dataset),
+        }
 
     def _collate(self) -> MultimodalCollator:  # type: ignore[override]
         cfg = self.config

@@ -231,10 +231,13 @@ def _random_background(cfg: SceneConfig, rng: np.random.Generator) -> dict[str, 
     return dict(
         background=int(rng.integers(len(_BACKGROUNDS))),
         texture=int(rng.integers(len(_TEXTURES))),
-        band=(("row", "col")[int(rng.integers(2))], int(rng.integers(0, cfg.grid - width + 1)),
-              width),
+        band=(
+            ("row", "col")[int(rng.integers(2))],
+            int(rng.integers(0, cfg.grid - width + 1)),
+            width,
+        ),
         pattern=("stripes", "checker")[int(rng.integers(2))],
-    )  # fmt: skip
+    )
 
 
 def _random_shape(rng: np.random.Generator, row: int, col: int) -> Shape:
@@ -301,8 +304,8 @@ def cell_labels(scene: Scene, cfg: SceneConfig) -> np.ndarray:
     out = np.zeros(cfg.grid * cfg.grid, dtype=np.int64)
     colours = list(COLOURS)
     for sh in scene.shapes:
-        out[sh.row * cfg.grid + sh.col] = 1 + colours.index(sh.colour) * len(KINDS) + KINDS.index(
-            sh.kind
+        out[sh.row * cfg.grid + sh.col] = (
+            1 + colours.index(sh.colour) * len(KINDS) + KINDS.index(sh.kind)
         )
     return out
 
@@ -393,8 +396,9 @@ def scene_words() -> list[str]:
     ``MultimodalDataConfig.tokenizer = "words"``)."""
     words = set(COLOURS) | set(KINDS) | {f"{k}s" for k in KINDS}
     words |= {w for rel in _RELATIONS for w in rel.split()}
-    words |= set("what colour is the shape how many shapes describe image in there are it a and"
-                 .split())  # fmt: skip
+    words |= set(
+        "what colour is the shape how many shapes describe image in there are it a and".split()
+    )
     words |= {str(i) for i in range(10)} | set(".,?:")
     return sorted(words)
 

@@ -139,8 +139,9 @@ class WordTokenizer:
         for i in ids:
             i = int(i)
             if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is out of range for WordTokenizer [0, "
-                                 f"{self.vocab_size})")  # fmt: skip
+                raise ValueError(
+                    f"token id {i} is out of range for WordTokenizer [0, {self.vocab_size})"
+                )
             if skip_special and i < len(self.SPECIAL_TOKENS):
                 continue
             w = self.itos[i]

@@ -137,8 +137,9 @@ class Attention(nn.Module):
             # A windowed layer is not compressed (its cache is bounded by the window): the
             # segment is the last W - 1 context tokens as they are, and attention over
             # [segment ; continuation] under the window is the windowed causal attention.
-            segment = self._window_segment(q_rot, k_rot, v, positions, modality_ids, split,
-                                           compressor)
+            segment = self._window_segment(
+                q_rot, k_rot, v, positions, modality_ids, split, compressor
+            )
             if stats is not None:
                 stats.append(segment.stats)
             mask = sliding_causal_mask(T, T, 0, self.window, x.device)
@@ -152,8 +153,9 @@ class Attention(nn.Module):
                 v_st = torch.where(ctx, segment.values.to(v.dtype), v)
                 out = torch.where(ctx, out, self._attend(q_rot, k_st, v_st, mask=mask))
         elif split is not None and compressor is not None:
-            segment = self._compress_context(q_rot, k, k_rot, v, positions, modality_ids, split,
-                                             compressor, rope)
+            segment = self._compress_context(
+                q_rot, k, k_rot, v, positions, modality_ids, split, compressor, rope
+            )
             if stats is not None:
                 stats.append(segment.stats)
             out = self._attend_segment(q_rot, k_rot, v, segment, split)
@@ -173,8 +175,9 @@ class Attention(nn.Module):
                 mask = sliding_causal_mask(T, k_all.shape[2], past, self.window, x.device)
             out = self._attend(q_rot, k_all, v_all, mask=mask)
         elif self.window is not None:
-            out = self._attend(q_rot, k_rot, v, mask=sliding_causal_mask(T, T, 0, self.window,
-                                                                         x.device))
+            out = self._attend(
+                q_rot, k_rot, v, mask=sliding_causal_mask(T, T, 0, self.window, x.device)
+            )
         else:
             out = self._attend(q_rot, k_rot, v, is_causal=True)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
@@ -216,8 +219,9 @@ class Attention(nn.Module):
         """:func:`attention_op` with this layer's scale and softcap: q [B, H, T, D], k/v
         [B, Hk, S, D], mask bool (True = attend) or additive, [T, S] or [B, 1, T, S] ->
         [B, H, T, D]."""
-        return attention_op(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale,
-                            softcap=self.softcap)  # fmt: skip
+        return attention_op(
+            q, k, v, mask=mask, is_causal=is_causal, scale=self.scale, softcap=self.softcap
+        )
 
     # ------------------------------------------------------------------- the compression seam
     def _window_segment(
@@ -272,8 +276,11 @@ class Attention(nn.Module):
             segment.valid = in_window
             kv = segment_kv_bytes(segment).sum()
             # rate_realized 0: the compressor removed nothing (the window bounds the cache).
-            segment.stats = {"kv_bytes": kv, "kv_reduction": torch.ones_like(kv),
-                             "rate_realized": torch.zeros_like(kv)}  # fmt: skip
+            segment.stats = {
+                "kv_bytes": kv,
+                "kv_reduction": torch.ones_like(kv),
+                "rate_realized": torch.zeros_like(kv),
+            }
         if isinstance(compressor, RecordingCompressor):
             compressor.inputs[self.layer_idx] = inp
             compressor.segments[self.layer_idx] = segment
@@ -340,11 +347,22 @@ class Attention(nn.Module):
         seg_k, seg_v = segment.keys.to(k_rot.dtype), segment.values.to(v.dtype)
         mode = segment_attention_mode(q_rot.device)
         if mode == "flex":
-            return attend_segment_flex(q_rot, k_rot, v, seg_k, seg_v, segment, split,
-                                       scale=self.scale, softcap=self.softcap, enable_gqa=gqa)
+            return attend_segment_flex(
+                q_rot,
+                k_rot,
+                v,
+                seg_k,
+                seg_v,
+                segment,
+                split,
+                scale=self.scale,
+                softcap=self.softcap,
+                enable_gqa=gqa,
+            )
         if mode == "per_sample" and self.softcap is None:
-            return attend_segment_per_sample(q_rot, k_rot, v, seg_k, seg_v, segment, split,
-                                             scale=self.scale, enable_gqa=gqa)
+            return attend_segment_per_sample(
+                q_rot, k_rot, v, seg_k, seg_v, segment, split, scale=self.scale, enable_gqa=gqa
+            )
         mask = segment_attention_mask(segment, split, q_rot.shape[2], q_rot.dtype)
         keys = torch.cat([seg_k, k_rot], dim=2)  # [B, Hk, M + T, D]
         values = torch.cat([seg_v, v], dim=2)  # [B, Hk, M + T, D]
@@ -394,8 +412,9 @@ def attention_op(
     """
     gqa = k.shape[1] != q.shape[1]
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                              scale=scale, enable_gqa=gqa)  # fmt: skip
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -497,8 +516,11 @@ def attend_segment_per_sample(
         )
         parts = []
         if s > 0:  # context rows: plain causal attention over the context
-            parts.append(F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale,
-                                                        enable_gqa=enable_gqa))
+            parts.append(
+                F.scaled_dot_product_attention(
+                    qc, kc, vc, is_causal=True, scale=scale, enable_gqa=enable_gqa
+                )
+            )
         if s < T:  # continuation rows: [valid segment (log-count bias) ; causal continuation]
             keep = segment.valid[b]  # [M]
             sk, sv = sks[b][None, :, keep], svs[b][None, :, keep]  # [1, Hk, M_b, D]
@@ -507,9 +529,16 @@ def attend_segment_per_sample(
             t = torch.arange(C, device=q.device)
             causal = torch.where(t[None, :] <= t[:, None], 0.0, torch.finfo(q.dtype).min)
             mask = torch.cat([bias.expand(C, M_b), causal.to(q.dtype)], dim=-1)  # [C, M_b + C]
-            parts.append(F.scaled_dot_product_attention(
-                qn, torch.cat([sk, kn], dim=2), torch.cat([sv, vn], dim=2), attn_mask=mask,
-                scale=scale, enable_gqa=enable_gqa))
+            parts.append(
+                F.scaled_dot_product_attention(
+                    qn,
+                    torch.cat([sk, kn], dim=2),
+                    torch.cat([sv, vn], dim=2),
+                    attn_mask=mask,
+                    scale=scale,
+                    enable_gqa=enable_gqa,
+                )
+            )
         outs.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
     return torch.cat(outs, dim=0)
 
@@ -692,8 +721,9 @@ def _segment_block_mask(
         idx = torch.argsort(blocks, dim=-1, descending=True, stable=True)
         return blocks.sum(-1, dtype=torch.int32), idx.to(torch.int32)
 
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=bs,
-                                    mask_mod=mask_mod, seq_lengths=(T, Mp + T))  # fmt: skip
+    return BlockMask.from_kv_blocks(
+        *ordered(partial), *ordered(full), BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(T, Mp + T)
+    )
 
 
 @functools.cache
@@ -749,8 +779,15 @@ def attend_segment_flex(
         q, k, v, seg_k, seg_v = (t.detach() for t in (q, k, v, seg_k, seg_v))
     fx = segment_flex_inputs(k, v, seg_k, seg_v, segment, split, q.dtype, softcap=softcap)
     kernel = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
-    return kernel(q, fx.keys, fx.values, score_mod=fx.score_mod, block_mask=fx.block_mask,
-                  scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+    return kernel(
+        q,
+        fx.keys,
+        fx.values,
+        score_mod=fx.score_mod,
+        block_mask=fx.block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
 
 
 def gather_rope(
@@ -773,11 +810,15 @@ def kv_bytes_per_token(config: ModelConfig, bytes_per_element: int = 2) -> int:
     ``[c_kv ‖ k_pe]`` once, GQA its K and V per KV head."""
     if config.attention_type == "mla":
         width = config.kv_lora_rank + config.qk_rope_head_dim
-        return int(uncompressed_kv_bytes(1, 1, width, config.kv_lora_rank, latent=True,
-                                         dtype_bytes=bytes_per_element))  # fmt: skip
+        return int(
+            uncompressed_kv_bytes(
+                1, 1, width, config.kv_lora_rank, latent=True, dtype_bytes=bytes_per_element
+            )
+        )
     hd = config.head_size
-    return int(uncompressed_kv_bytes(1, config.num_key_value_heads, hd, hd,
-                                     dtype_bytes=bytes_per_element))  # fmt: skip
+    return int(
+        uncompressed_kv_bytes(1, config.num_key_value_heads, hd, hd, dtype_bytes=bytes_per_element)
+    )
 
 
 __all__ = [

@@ -39,10 +39,17 @@ ROPE_TYPE_FIELDS: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "dynamic": ("factor",),
-    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
-               "high_freq_factor"),
-    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "attention_factor", "truncate"),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    ),
 }
 
 
@@ -292,8 +299,12 @@ class ModelConfig(ConfigBase):
                 "with attention_type='mla'"
             )
         check_choice(self, "block_style", BLOCK_STYLES)
-        for name in ("rope_local_theta", "query_pre_attn_scalar", "attn_logit_softcapping",
-                     "final_logit_softcapping"):  # fmt: skip
+        for name in (
+            "rope_local_theta",
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+        ):
             if getattr(self, name) is not None:
                 check_range(self, name, 0, lo_open=True)
         if self.block_style == "gemma3":
@@ -400,5 +411,3 @@ class ModelConfig(ConfigBase):
     def uses_streams(self) -> bool:
         """True when the residual is widened to ``hc_mult`` streams (mHC or HC with n > 1)."""
         return self.residual_mode != "residual" and self.hc_mult > 1
-
-

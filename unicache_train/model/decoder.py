@@ -104,14 +104,16 @@ class Block(nn.Module):
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if gemma:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
-            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                      True)  # fmt: skip
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
         # DeepSeek MoE FFN from layer first_k_dense_replace on (see model/moe.py).
         self.mlp: nn.Module = (
             MoE(config)
             if config.is_moe_layer(layer_idx)
-            else SwiGLU(config.hidden_size, config.intermediate_size,
-                        "gelu_pytorch_tanh" if gemma else "silu")
+            else SwiGLU(
+                config.hidden_size,
+                config.intermediate_size,
+                "gelu_pytorch_tanh" if gemma else "silu",
+            )
         )
         self.attn_hc, self.ffn_hc = build_connections(config)
 
@@ -127,9 +129,7 @@ class Block(nn.Module):
         if self.pre_feedforward_layernorm is not None:  # Gemma 3
             assert self.post_feedforward_layernorm is not None
             x = x + self.post_attention_layernorm(attn(x))
-            return x + self.post_feedforward_layernorm(
-                self.mlp(self.pre_feedforward_layernorm(x))
-            )
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
         if self.attn_hc is None:
             x = x + attn(x)
@@ -152,8 +152,7 @@ class Decoder(nn.Module):
             from unicache_train.model.mhc import HyperHead
 
             self.hc_head = HyperHead(config)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                            config.block_style == "gemma3")  # fmt: skip
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.block_style == "gemma3")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         rope_dim = config.qk_rope_head_dim if config.attention_type == "mla" else config.head_size
         self.rotary = RotaryEmbedding(
@@ -162,8 +161,9 @@ class Decoder(nn.Module):
         # Gemma 3: the sliding layers' own RoPE base (unscaled, as transformers' default there).
         self.rotary_local: RotaryEmbedding | None = None
         if config.rope_local_theta is not None and config.has_sliding_layers:
-            self.rotary_local = RotaryEmbedding(rope_dim, config.rope_local_theta, None,
-                                                config.max_position_embeddings)  # fmt: skip
+            self.rotary_local = RotaryEmbedding(
+                rope_dim, config.rope_local_theta, None, config.max_position_embeddings
+            )
         self.reset_parameters()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -272,9 +272,16 @@ class Decoder(nn.Module):
         if cross is not None and cross.records_context:
             assert split is not None and compressor is not None
             compressor, reference = self._fit_cross_layer(
-                cross, compressor, x, positions, modality_ids, split, step,
-                reference_logits, logits_at,
-            )  # fmt: skip
+                cross,
+                compressor,
+                x,
+                positions,
+                modality_ids,
+                split,
+                step,
+                reference_logits,
+                logits_at,
+            )
         out = self._stack(x, positions, modality_ids, cache, split, compressor, logits_at)
         if reference_logits:
             if reference is None:
@@ -330,9 +337,15 @@ class Decoder(nn.Module):
         rec = RecordingCompressor(pre_rope=cross.pre_rope)
         with torch.set_grad_enabled(torch.is_grad_enabled() and cross.record_with_grad):
             out = self._stack(
-                x[:, :L], positions[:, :L], modality_ids[:, :L], None, split, rec,
-                logits_at if full else None, head=full,
-            )  # fmt: skip
+                x[:, :L],
+                positions[:, :L],
+                modality_ids[:, :L],
+                None,
+                split,
+                rec,
+                logits_at if full else None,
+                head=full,
+            )
         fit = cross.fit(RecordedContext(rec.inputs, rec.segments, S, self.rotary), step=step)
         return _WithFit(compressor, fit), (out.logits if full else None)
 
@@ -353,8 +366,14 @@ class Decoder(nn.Module):
         rope = self.rotary(positions, x.dtype)
         rope_local = rope if self.rotary_local is None else self.rotary_local(positions, x.dtype)
         stats: list[dict[str, torch.Tensor]] = []
-        kwargs = dict(positions=positions, modality_ids=modality_ids, cache=cache,
-                      split=split, compressor=compressor, stats=stats)  # fmt: skip
+        kwargs = dict(
+            positions=positions,
+            modality_ids=modality_ids,
+            cache=cache,
+            split=split,
+            compressor=compressor,
+            stats=stats,
+        )
         if self.hc_head is not None:
             x = x.unsqueeze(2).expand(B, T, self.num_streams, x.shape[-1])  # [B, T, n, C]
         for i, layer in enumerate(self.layers):
@@ -400,18 +419,19 @@ class Decoder(nn.Module):
         Returns:
             [B, T + max_new_tokens] (or shorter when every sequence finished).
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
-            max_new_tokens < 0
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or (max_new_tokens < 0)
         ):
             raise ValueError(
-                f"max_new_tokens={max_new_tokens!r} is out of range; allowed an integer in "
-                "[0, inf)"
+                f"max_new_tokens={max_new_tokens!r} is out of range; allowed an integer in [0, inf)"
             )
         if not math.isfinite(temperature) or temperature < 0:
             raise ValueError(f"temperature={temperature!r} is out of range; allowed [0, inf)")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or (
-            top_k < 1
-        )):
+        if top_k is not None and (
+            isinstance(top_k, bool) or not isinstance(top_k, int) or (top_k < 1)
+        ):
             raise ValueError(
                 f"top_k={top_k!r} is out of range; allowed None or an integer in [1, inf)"
             )
@@ -475,8 +495,9 @@ class _WithFit:
         return self.compressor(dataclasses.replace(inp, fit=self.fit))
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
-          generator: torch.Generator | None) -> torch.Tensor:
+def _pick(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
     """logits: [B, V] -> next token ids [B]."""
     if temperature == 0:
         return logits.argmax(-1)

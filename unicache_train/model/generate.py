@@ -107,8 +107,13 @@ def prefill_compressed(
                 f"{tuple(input_ids.shape)}: expected [B, P, C]"
             )
         embeds = inputs_embeds[:, :P]
-        out = model(inputs_embeds=embeds, modality_ids=mods, split=split_t, compressor=capture,
-                    logits_at=last_pos)
+        out = model(
+            inputs_embeds=embeds,
+            modality_ids=mods,
+            split=split_t,
+            compressor=capture,
+            logits_at=last_pos,
+        )
     else:
         out = model(ids, modality_ids=mods, split=split_t, compressor=capture, logits_at=last_pos)
     L = model.config.num_hidden_layers
@@ -163,9 +168,13 @@ def decode_teacher_forced(
     B, T = input_ids.shape
     split_t = _as_split(split, B, input_ids.device)
     cache, first = prefill_compressed(
-        model, input_ids, split_t, compressor, modality_ids=modality_ids,
+        model,
+        input_ids,
+        split_t,
+        compressor,
+        modality_ids=modality_ids,
         inputs_embeds=inputs_embeds,
-    )  # fmt: skip
+    )
     V = first.shape[-1]
     out = torch.full((B, T, V), float("nan"), dtype=first.dtype, device=first.device)
     rows = torch.arange(B, device=input_ids.device)
@@ -224,9 +233,13 @@ def generate_compressed(
     B = input_ids.shape[0]
     split_t = _as_split(split, B, input_ids.device)
     cache, logits = prefill_compressed(
-        model, input_ids, split_t, compressor, modality_ids=modality_ids,
+        model,
+        input_ids,
+        split_t,
+        compressor,
+        modality_ids=modality_ids,
         inputs_embeds=inputs_embeds,
-    )  # fmt: skip
+    )
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     out = []
     for i in range(max_new_tokens):
@@ -272,8 +285,10 @@ class KVBytesReport:
         return self.source_bytes / self.kv_bytes if self.kv_bytes else float("nan")
 
     def __str__(self) -> str:
-        text = (f"compressed KV cache {self.kv_bytes:,} bytes; uncompressed {self.baseline_bytes:,}"
-                f" ({self.reduction:.2f}x fewer)")  # fmt: skip
+        text = (
+            f"compressed KV cache {self.kv_bytes:,} bytes; uncompressed {self.baseline_bytes:,}"
+            f" ({self.reduction:.2f}x fewer)"
+        )
         if self.source_bytes is not None:
             ratio = self.reduction_vs_source
             text += f"; source model's cache {self.source_bytes:,} ({ratio:.2f}x fewer)"

@@ -376,8 +376,9 @@ class MLAttention(nn.Module):
         seg_k, seg_v = self._expand(seg_keys[..., :R], seg_keys[..., R:], segment.values.to(dtype))
         k, v = self._expand(c_kv, k_pe, c_kv)
         if segment_attention_mode(q.device) == "per_sample":
-            return attend_segment_per_sample(q, k, v, seg_k, seg_v, segment, split,
-                                             scale=self.scaling)
+            return attend_segment_per_sample(
+                q, k, v, seg_k, seg_v, segment, split, scale=self.scaling
+            )
         mask = segment_attention_mask(segment, split, q_nope.shape[2], dtype)  # [B, 1, T, M + T]
         return F.scaled_dot_product_attention(
             q,

@@ -121,8 +121,10 @@ class Router(Fp32Params):
         return RouterOutput(weights * self.routed_scaling_factor, indices, scores)
 
     def extra_repr(self) -> str:
-        return (f"experts={self.n_experts}, top_k={self.top_k}, n_group={self.n_group}, "
-                f"topk_group={self.topk_group}")  # fmt: skip
+        return (
+            f"experts={self.n_experts}, top_k={self.top_k}, n_group={self.n_group}, "
+            f"topk_group={self.topk_group}"
+        )
 
 
 class Experts(nn.Module):

@@ -167,8 +167,7 @@ def inv_frequencies(
     original_max = scaling.original_max_position_embeddings or max_position_embeddings
     if kind in ("llama3", "yarn") and original_max is None:
         raise ValueError(
-            f"rope_type={kind!r} needs original_max_position_embeddings or "
-            "max_position_embeddings"
+            f"rope_type={kind!r} needs original_max_position_embeddings or max_position_embeddings"
         )
     if kind == "linear":
         return _default_inv_freq(dim, theta) / scaling.factor

@@ -43,10 +43,17 @@ def plot_gain(history: list[dict[str, Any]], out: str | Path, title: str | None 
     ax2.plot(steps, [_nanmax(r["bwd"]) for r in history], label="max per-layer bwd gain")
     if any("composite_fwd" in r for r in history):
         rows = [r for r in history if "composite_fwd" in r]
-        ax2.plot([r["step"] for r in rows], [r["composite_fwd"] for r in rows],
-                 label="composite mix gain (fwd)")
-        ax2.plot([r["step"] for r in rows], [r["composite_bwd"] for r in rows], "--",
-                 label="composite mix gain (bwd)")
+        ax2.plot(
+            [r["step"] for r in rows],
+            [r["composite_fwd"] for r in rows],
+            label="composite mix gain (fwd)",
+        )
+        ax2.plot(
+            [r["step"] for r in rows],
+            [r["composite_bwd"] for r in rows],
+            "--",
+            label="composite mix gain (bwd)",
+        )
         ax2.set_yscale("log")
     ax2.set_xlabel("step")
     ax2.set_title("gain over training")

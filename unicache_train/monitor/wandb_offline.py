@@ -34,8 +34,13 @@ def inspect_offline_run(run_dir: str | Path) -> str:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no W&B run directory at {run_dir}")
-    proc = subprocess.run([_wandb_exe(), "leet", "inspect", str(run_dir)], capture_output=True,
-                          text=True, check=True, timeout=120)
+    proc = subprocess.run(
+        [_wandb_exe(), "leet", "inspect", str(run_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     return proc.stdout
 
 

@@ -32,8 +32,6 @@ DEEPSPEED_STRATEGIES = (
 )
 
 
-
-
 @dataclass
 class TrainConfig(ConfigBase):
     """Optimisation, schedule, hardware and checkpointing.

@@ -76,10 +76,13 @@ def train_steps(
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in n)]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": train.weight_decay},
-         {"params": rest, "weight_decay": 0.0}],
-        lr=lr, betas=(train.beta1, train.beta2),
-    )  # fmt: skip
+        [
+            {"params": decay, "weight_decay": train.weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(train.beta1, train.beta2),
+    )
     bar = None
     if desc is not None:
         from tqdm.auto import tqdm
@@ -97,8 +100,13 @@ def train_steps(
             loss = causal_lm_loss(model(batch["input_ids"]).logits, labels)
             counted = int((labels != -100).sum())
         else:
-            res = inloop_loss(lambda b, **kw: model(b["input_ids"], **kw), batch, compressor,
-                              generator=step_generator(seed, step), min_context=min_context)
+            res = inloop_loss(
+                lambda b, **kw: model(b["input_ids"], **kw),
+                batch,
+                compressor,
+                generator=step_generator(seed, step),
+                min_context=min_context,
+            )
             loss, counted = res.loss, int(res.targets.sum())
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -137,11 +137,17 @@ class LMModule(L.LightningModule):
         # compressor's recording pass when that is free, else one forward without gradient);
         # the step reaches a cross-layer compressor's fit (its basis refresh schedule).
         res = inloop_loss(
-            self.model_forward, batch, self.compressor,
+            self.model_forward,
+            batch,
+            self.compressor,
             generator=step_generator(cc.seed, step, self.global_rank, micro),
-            split_mode=cc.split, min_context=cc.min_context, loss_on=cc.loss_on,
-            kl_weight=cc.kl_weight, kl_temperature=cc.kl_temperature, step=step,
-        )  # fmt: skip
+            split_mode=cc.split,
+            min_context=cc.min_context,
+            loss_on=cc.loss_on,
+            kl_weight=cc.kl_weight,
+            kl_temperature=cc.kl_temperature,
+            step=step,
+        )
         logs = {"train/lm_loss": res.lm.detach(), "compress/rate_scale": torch.tensor(scale)}
         if res.kl is not None:
             logs["train/kl"] = res.kl.detach()

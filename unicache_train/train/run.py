@@ -81,9 +81,15 @@ def _monitors(config: RunConfig) -> list[L.Callback]:
     mc = config.monitor
     cbs: list[L.Callback] = [CompressionQualityMonitor(mc.compress_every_n_steps)]
     if mc.gain:
-        cbs.append(SignalGainMonitor(mc.gain_every_n_steps, mc.gain_threshold,
-                                     mc.gain_stop_after, plot=mc.plots,
-                                     baseline_checks=mc.gain_baseline_checks))
+        cbs.append(
+            SignalGainMonitor(
+                mc.gain_every_n_steps,
+                mc.gain_threshold,
+                mc.gain_stop_after,
+                plot=mc.plots,
+                baseline_checks=mc.gain_baseline_checks,
+            )
+        )
     return cbs
 
 
@@ -103,8 +109,12 @@ def build_trainer(config: RunConfig, callbacks: list[L.Callback] | None = None) 
     )
     from unicache_train.train.guards import NonFiniteGuard
 
-    cbs: list[L.Callback] = [ckpt_cb, NonFiniteGuard(out_dir / "checkpoints"), *_monitors(config),
-                             *(callbacks or [])]  # fmt: skip
+    cbs: list[L.Callback] = [
+        ckpt_cb,
+        NonFiniteGuard(out_dir / "checkpoints"),
+        *_monitors(config),
+        *(callbacks or []),
+    ]
     loggers = build_loggers(config, out_dir)
     if loggers:
         cbs.append(LearningRateMonitor(logging_interval="step"))
@@ -171,8 +181,7 @@ def resolve_resume(config: RunConfig) -> str | None:
                 f"{len(skipped)} checked); set train.resume=null to start over"
             )
         for path, why in skipped:
-            log.warning("not resuming from %s: %s; resuming from %s instead", path.name, why,
-                        found)
+            log.warning("not resuming from %s: %s; resuming from %s instead", path.name, why, found)
         return str(found) if found is not None else None
     if not Path(resume).exists():
         raise ConfigError(f"TrainConfig.resume={resume!r}: no such checkpoint file")
@@ -197,8 +206,9 @@ class InitFromCheckpoint(L.Callback):
 
         ckpt = read_checkpoint(self.path)
         state = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-        expected = {k: tuple(v.shape) for k, v in pl_module.state_dict().items()
-                    if k.startswith("model.")}  # fmt: skip
+        expected = {
+            k: tuple(v.shape) for k, v in pl_module.state_dict().items() if k.startswith("model.")
+        }
         check_state_dict(state, expected, self.path, "this run's model")
         pl_module.load_state_dict(state, strict=True)
 
@@ -217,8 +227,9 @@ def preflight(config: RunConfig) -> None:
     if int(os.environ.get("RANK", 0)) == 0:
         out_dir = Path(config.train.out_dir)
         check_output_dir(out_dir, what="train.out_dir")
-        check_output_dir(out_dir / "checkpoints", checkpoint_bytes(config.model),
-                         what="checkpoint folder")
+        check_output_dir(
+            out_dir / "checkpoints", checkpoint_bytes(config.model), what="checkpoint folder"
+        )
 
 
 def check_resume_fits(path: str | Path, module: L.LightningModule) -> None:

@@ -163,8 +163,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     rename is on one file system and atomic.
     """
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
-                        storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         atomic_write(Path(path), lambda tmp: torch.save(checkpoint, tmp))
@@ -174,8 +175,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         super().remove_checkpoint(path)
         remove_path(manifest_path(Path(path)))
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         # Resume (``trainer.fit(ckpt_path=...)``) reads plain data only, whatever the caller
         # asks: a checkpoint whose pickle would call code is refused, nothing run. A file that
         # differs from its checksum manifest is refused too.
@@ -191,8 +193,9 @@ class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
     another number of ranks (through DeepSpeed's universal checkpoint; see
     :meth:`load_checkpoint`)."""
 
-    def save_checkpoint(self, checkpoint: dict, filepath: Any,
-                        storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict, filepath: Any, storage_options: Any | None = None
+    ) -> None:
         path = Path(self.broadcast(str(filepath)))
         tmp = temporary_path(path)
         if self.is_global_zero:
@@ -248,8 +251,13 @@ class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
             )
         error: Exception | None = None
         if self.is_global_zero:
-            log.warning("%s was written by %d ranks; this run has %d: converting it to a "
-                        "universal checkpoint", path, saved, self.world_size)
+            log.warning(
+                "%s was written by %d ranks; this run has %d: converting it to a "
+                "universal checkpoint",
+                path,
+                saved,
+                self.world_size,
+            )
             try:
                 to_universal_checkpoint(path)
             except Exception as err:  # every rank must hear of it, not wait at a barrier
@@ -311,8 +319,10 @@ def _restore_non_optimizer_state(module: nn.Module, path: Path) -> None:
     with torch.no_grad():
         for k in keys:
             if state[k].shape != saved[k].shape:
-                raise RuntimeError(f"{files[0]}: {k} has shape {tuple(saved[k].shape)}, "
-                                   f"the model {tuple(state[k].shape)}")
+                raise RuntimeError(
+                    f"{files[0]}: {k} has shape {tuple(saved[k].shape)}, "
+                    f"the model {tuple(state[k].shape)}"
+                )
             state[k].copy_(saved[k])
 
 
@@ -328,13 +338,15 @@ def _repair_zero3_universal_load(engine: Any, path: Path) -> None:
     place once per sub-group per step, so the bias correction runs ahead (measured: the loss one
     step after the resume off by 7.8e-3): each state gets its own copy.
     """
-    saved = load_torch_file(path / UNIVERSAL_TAG / "zero" / "optimizer_state.pt",
-                            map_location="cpu", deepspeed=True)
+    saved = load_torch_file(
+        path / UNIVERSAL_TAG / "zero" / "optimizer_state.pt", map_location="cpu", deepspeed=True
+    )
     groups = saved["param_groups"]
     base = engine.optimizer.optimizer
     if len(groups) != len(base.param_groups):
-        raise RuntimeError(f"{path}: {len(groups)} saved optimizer param groups, "
-                           f"{len(base.param_groups)} now")
+        raise RuntimeError(
+            f"{path}: {len(groups)} saved optimizer param groups, {len(base.param_groups)} now"
+        )
     for group, saved_group in zip(base.param_groups, groups):
         for key, value in saved_group.items():
             if key != "params":
@@ -350,8 +362,9 @@ class CPUDeepSpeedStrategy(AtomicDeepSpeedStrategy):
 
     strategy_name = "deepspeed_cpu"
 
-    def __init__(self, *args: Any, process_group_backend: str | None = "gloo",
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, process_group_backend: str | None = "gloo", **kwargs: Any
+    ) -> None:
         super().__init__(*args, process_group_backend=process_group_backend, **kwargs)
 
     def setup_environment(self) -> None:
@@ -403,10 +416,12 @@ class CPUDeepSpeedStrategy(AtomicDeepSpeedStrategy):
             if key in self.config:
                 inference_config[key] = self.config[key]
         if self.zero_stage_3:
-            inference_config.update({
-                "zero_allow_untested_optimizer": self.config["zero_allow_untested_optimizer"],
-                "zero_optimization": self.config["zero_optimization"],
-            })
+            inference_config.update(
+                {
+                    "zero_allow_untested_optimizer": self.config["zero_allow_untested_optimizer"],
+                    "zero_optimization": self.config["zero_optimization"],
+                }
+            )
         remove_module_hooks(model)
         self.model, _, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank),
@@ -457,14 +472,16 @@ def deepspeed_config(config: RunConfig) -> dict[str, Any]:
         "reduce_bucket_size": bucket,
     }
     if stage == 3:
-        zero.update({
-            "stage3_prefetch_bucket_size": bucket // 4,
-            "stage3_param_persistence_threshold": 100_000,
-            "stage3_max_live_parameters": 1_000_000_000,
-            "stage3_max_reuse_distance": 1_000_000_000,
-            # Gather the full weights at save time only when asked: we consolidate offline.
-            "stage3_gather_16bit_weights_on_model_save": False,
-        })
+        zero.update(
+            {
+                "stage3_prefetch_bucket_size": bucket // 4,
+                "stage3_param_persistence_threshold": 100_000,
+                "stage3_max_live_parameters": 1_000_000_000,
+                "stage3_max_reuse_distance": 1_000_000_000,
+                # Gather the full weights at save time only when asked: we consolidate offline.
+                "stage3_gather_16bit_weights_on_model_save": False,
+            }
+        )
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_cuda}
     ds: dict[str, Any] = {
@@ -540,4 +557,3 @@ def build_strategy(config: RunConfig) -> str | Strategy:
             "in CPU memory"
         )
     return CPUDeepSpeedStrategy(config=ds_config)
-

@@ -189,8 +189,7 @@ class VLMModule(LMModule):
             if acc[1, i] > 0:
                 self.log(f"val/answer_acc/{task}", acc[0, i] / acc[1, i], sync_dist=False)
         if acc[1].sum() > 0:
-            self.log("val/answer_acc", acc[0].sum() / acc[1].sum(), prog_bar=True,
-                     sync_dist=False)  # fmt: skip
+            self.log("val/answer_acc", acc[0].sum() / acc[1].sum(), prog_bar=True, sync_dist=False)
 
 
 def check_vocab(config: VLMRunConfig, tokenizer) -> None:
@@ -247,8 +246,9 @@ def load_vlm_checkpoint(
         raise ValueError(f"{path}: not a vision-language checkpoint (no config.vision)")
     config = VLMRunConfig.from_dict(hparams["config"])
     model = VisionLanguageModel(config.model, config.vision)
-    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
-             if k.startswith("model.")}  # fmt: skip
+    state = {
+        k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")
+    }
     model.load_state_dict(state)
     model.eval()
     return model, config

@@ -50,8 +50,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .configuration_unicache_mhc import UnicacheMhcConfig
 
 # transformers >= 5.x names the K/V cache ``cache``; older versions ``past_key_values``.
-_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else (
-    "past_key_values")
+_CACHE_FIELD = (
+    "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else ("past_key_values")
+)
 
 
 def rms_norm(x, eps, weight=None):
@@ -107,8 +108,11 @@ def rope_frequencies(rope, dim, max_position_embeddings, position_ids):
         attn = rope.get("attention_factor")
         mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
         if attn is None:
-            attn = (_mscale(f, mscale) / _mscale(f, mscale_all_dim) if mscale and mscale_all_dim
-                    else _mscale(f))
+            attn = (
+                _mscale(f, mscale) / _mscale(f, mscale_all_dim)
+                if mscale and mscale_all_dim
+                else _mscale(f)
+            )
 
         def correction_dim(rotations):
             return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -120,8 +124,9 @@ def rope_frequencies(rope, dim, max_position_embeddings, position_ids):
         low, high = max(low, 0), min(high, dim - 1)
         high = high + 0.001 if low == high else high
         pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low)
-                / (high - low)).clamp(0, 1)
+        ramp = (
+            (torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)
+        ).clamp(0, 1)
         keep = 1 - ramp  # 1: the dimension keeps its frequency, 0: divided by the factor
         return (1.0 / (f * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep, float(attn)
     raise ValueError(f"rope_parameters.rope_type={kind!r} is not implemented")
@@ -137,8 +142,12 @@ class Attention(nn.Module):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        C, H, Hk, D = (config.hidden_size, config.num_attention_heads,
-                       config.num_key_value_heads, config.head_dim)
+        C, H, Hk, D = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.H, self.Hk, self.D = H, Hk, D
         bias = config.attention_bias
         self.q_proj = nn.Linear(C, H * D, bias=bias)
@@ -167,8 +176,9 @@ class Attention(nn.Module):
         impl = getattr(self.config, "_attn_implementation", None)
         if impl not in (None, "sdpa", "eager") and impl in ALL_ATTENTION_FUNCTIONS:
             # A registered attention function (e.g. a compressed cache's): transformers' interface.
-            out, _ = ALL_ATTENTION_FUNCTIONS[impl](self, q, k, v, mask, dropout=0.0,
-                                                   scaling=self.D ** -0.5)  # [B, T, H, D]
+            out, _ = ALL_ATTENTION_FUNCTIONS[impl](
+                self, q, k, v, mask, dropout=0.0, scaling=self.D**-0.5
+            )  # [B, T, H, D]
             return self.o_proj(out.reshape(B, T, self.H * self.D))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.Hk != self.H)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.D))
@@ -333,10 +343,20 @@ class UnicacheMhcPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
     _no_split_modules = ["Block"]
-    _keep_in_fp32_modules = ["attn_hc", "ffn_hc", "hc_head", "gate.weight",
-                             "e_score_correction_bias"]
-    _keep_in_fp32_modules_strict = ["attn_hc", "ffn_hc", "hc_head", "gate.weight",
-                                    "e_score_correction_bias"]
+    _keep_in_fp32_modules = [
+        "attn_hc",
+        "ffn_hc",
+        "hc_head",
+        "gate.weight",
+        "e_score_correction_bias",
+    ]
+    _keep_in_fp32_modules_strict = [
+        "attn_hc",
+        "ffn_hc",
+        "hc_head",
+        "gate.weight",
+        "e_score_correction_bias",
+    ]
     _supports_sdpa = True
 
     @torch.no_grad()
@@ -389,8 +409,17 @@ class UnicacheMhcModel(UnicacheMhcPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
-                past_key_values=None, inputs_embeds=None, use_cache=None, cache=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        cache=None,
+        **kwargs,
+    ):
         past_key_values = cache if cache is not None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
@@ -442,20 +471,36 @@ class UnicacheMhcForCausalLM(UnicacheMhcPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
-                past_key_values=None, inputs_embeds=None, labels=None, use_cache=None,
-                logits_to_keep=0, cache=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        cache=None,
+        **kwargs,
+    ):
         past_key_values = cache if cache is not None else past_key_values
-        hidden, cache = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                                   position_ids=position_ids, past_key_values=past_key_values,
-                                   inputs_embeds=inputs_embeds, use_cache=use_cache)
+        hidden, cache = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)  # [B, T, V]
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
-                                   labels[:, 1:].flatten(), ignore_index=-100)
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+            )
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
 
 

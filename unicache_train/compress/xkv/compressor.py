@@ -61,8 +61,10 @@ class XKVCompressor:
         self.token_compressor = token_compressor
         if token_compressor is not None:
             _check_token_compressor(token_compressor, self.config)
-        if isinstance(curriculum_steps, bool) or not isinstance(curriculum_steps, int) or (
-            curriculum_steps < 0
+        if (
+            isinstance(curriculum_steps, bool)
+            or not isinstance(curriculum_steps, int)
+            or (curriculum_steps < 0)
         ):
             raise ValueError(
                 f"XKVCompressor.curriculum_steps={curriculum_steps!r} is out of range; allowed an "
@@ -164,12 +166,20 @@ class XKVCompressor:
             a_v = _token_factor(g.values, i, cur_v, g.seen_v)
             b_v = g.values.layer_basis(i).mT
         low = LowRankKV(
-            token_k=a_k, layer_k=b_k, rank_k=g.keys.rank,
-            token_v=a_v, layer_v=b_v, rank_v=g.values.rank if g.values is not None else None,
-            num_heads=g.heads, head_dim=g.head_dim, value_dim=g.value_dim,
-            owner=i == 0, pre_rope=self.pre_rope, group=g.layers,
+            token_k=a_k,
+            layer_k=b_k,
+            rank_k=g.keys.rank,
+            token_v=a_v,
+            layer_v=b_v,
+            rank_v=g.values.rank if g.values is not None else None,
+            num_heads=g.heads,
+            head_dim=g.head_dim,
+            value_dim=g.value_dim,
+            owner=i == 0,
+            pre_rope=self.pre_rope,
+            group=g.layers,
             rope=fit.rope if self.pre_rope else None,
-        )  # fmt: skip
+        )
         k_hat, v_hat = low.reconstruct()
         dtype = inp.keys.dtype
         T = inp.keys.shape[2]
