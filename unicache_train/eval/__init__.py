@@ -9,15 +9,19 @@
   models), decoded on the real compressed cache.
 - :mod:`~unicache_train.eval.recall`: key-value recall for real checkpoints at several
   difficulties, the question decoded **after** the compressed context, greedy exact match.
-- :mod:`~unicache_train.eval.text`: continuation perplexity on real English prose (the Python
-  Language Reference shipped with CPython), context compressed.
+- :mod:`~unicache_train.eval.text`: continuation perplexity on real English prose held out by
+  source (the King James Bible, :mod:`unicache_train.data.eval_text`), context compressed.
+- :mod:`~unicache_train.eval.stats`: Wilson intervals, the exact McNemar test, the paired
+  bootstrap of a perplexity change.
+- :mod:`~unicache_train.eval.prompts`: any task's prompts as JSONL for another harness.
 - :mod:`~unicache_train.eval.budget`: settings calibrated to a measured KV-bytes reduction.
 - :mod:`~unicache_train.eval.report`: the shared text table and CSV writer, plots, logger
   metrics.
 - :mod:`~unicache_train.eval.vlm`: a vision-language model's per-task accuracy under each
   compression variant, answers decoded on the real compressed cache.
 
-The real-checkpoint tasks return an accumulator with the estimate and its standard error.
+The real-checkpoint tasks return an accumulator with the estimate, its interval and the per-prompt
+(per-block) results that paired tests read.
 """
 
 # The task definitions live in data/ (training builds from them too); re-exported here because
