@@ -72,11 +72,17 @@ def multimodal_batch(model: VisionLanguageModel, seed: int = 0):
     mod[:, 24:34] = 2
     mod[:, 40 : 40 + P] = 1
     scenes = SceneConfig(image_size=32, cell_size=8, max_shapes=3, max_describe=3)
-    pix = torch.stack([
-        torch.stack([torch.from_numpy(make_sample(scenes, seed, 2 * b + i)["images"][0])
-                     for i in range(2)])
-        for b in range(B)
-    ])  # fmt: skip  # [B, 2, 3, 32, 32]
+    pix = torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.from_numpy(make_sample(scenes, seed, 2 * b + i)["images"][0])
+                    for i in range(2)
+                ]
+            )
+            for b in range(B)
+        ]
+    )  # [B, 2, 3, 32, 32]
     vis_only = torch.where(mod == 2, 0, mod)
     emb = model.embed(ids, vis_only, pix)
     audio = torch.stack([audio_frames(10, emb.shape[-1], seed + b) for b in range(B)])
