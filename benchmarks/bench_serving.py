@@ -15,6 +15,12 @@ machine and the 1-minute load):
   (``bench_serving_speed.csv``; each single run also goes to ``bench_serving_speed_raw.csv``
   as it finishes, so a stopped run keeps its repeats). With one thread the process CPU time is
   close to the unloaded wall time, so its ratio is the steadier one on a shared machine.
+* ``decode``: decode steps alone, many interleaved repeats: each path prefills once, then
+  ``--rounds`` rounds of ``--steps`` greedy steps per path, round-robin (the forward
+  ``generate()`` calls each step); per-step wall and CPU medians and their ratios to ``plain``,
+  and each path's first decode step (where the int8 and buffer paths unpack / dequantize the
+  segment once) on its own (``bench_serving_decode.csv``). The way to compare decoding at 8k
+  without paying an 8k prefill per repeat.
 * ``memory``: one fresh process per (prompt length, path, batch): the peak resident memory of
   ``generate()`` (``ru_maxrss``) and the resident memory after loading the model, the K/V bytes
   the cache holds at the end (real element sizes: the plain cache's fp32 tensors; the compressed
@@ -202,6 +208,57 @@ def cmd_speed(args) -> None:
                {"export": export.name, "threads": args.threads})  # fmt: skip
 
 
+# ------------------------------------------------------------------------------- decode
+def cmd_decode(args) -> None:
+    """Prefill once per path, then decode steps round-robin: ``--rounds`` rounds of ``--steps``
+    greedy steps per path (the forward ``generate()`` runs each step, with its cache)."""
+    from unicache_train.serve import load_export
+    from unicache_train.transformers_cache import CACHE_ARGUMENT
+
+    torch.set_num_threads(args.threads)
+    export = Path(args.export)
+    paths = args.paths.split(",")
+    models = {c: load_export(export, compressed=c)[0] for c in (False, True)}
+    tok = load_export(export, compressed=False)[1]
+    for P in (int(p) for p in args.prompts.split(",")):
+        ids = prompt_ids(tok, P)
+        state, first = {}, {}
+        with torch.no_grad():
+            for p in paths:
+                model = models[p != "plain"]
+                cache = new_cache(export, p)
+                out = model(ids, **{CACHE_ARGUMENT: cache}, logits_to_keep=1)
+                nxt = out.logits[:, -1:].argmax(-1)
+                c0 = time.process_time()  # the first step: the int8/buffer paths' one-time work
+                out = model(nxt, **{CACHE_ARGUMENT: cache})
+                first[p] = time.process_time() - c0
+                state[p] = [model, cache, out.logits[:, -1:].argmax(-1)]
+                print(f"P={P} {p} prefilled; first step {first[p]:.3f} s cpu", flush=True)
+            times: dict[str, list[tuple[float, float]]] = {p: [] for p in paths}
+            loads = []
+            for _ in range(args.rounds):
+                for p in paths:
+                    model, cache, nxt = state[p]
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    for _ in range(args.steps):
+                        nxt = model(nxt, **{CACHE_ARGUMENT: cache}).logits[:, -1:].argmax(-1)
+                    times[p].append(((time.perf_counter() - w0) / args.steps,
+                                     (time.process_time() - c0) / args.steps))  # fmt: skip
+                    state[p][2] = nxt
+                    loads.append(os.getloadavg()[0])
+        wall = {p: statistics.median(t[0] for t in times[p]) for p in paths}
+        cpu = {p: statistics.median(t[1] for t in times[p]) for p in paths}
+        rows = [{"path": p, "prompt_tokens": P, "rounds": args.rounds, "steps": args.steps,
+                 "step_ms": f"{wall[p] * 1e3:.1f}", "step_cpu_ms": f"{cpu[p] * 1e3:.1f}",
+                 "tps_ratio": f"{wall['plain'] / wall[p]:.3f}",
+                 "tps_cpu_ratio": f"{cpu['plain'] / cpu[p]:.3f}",
+                 "first_step_cpu_s": f"{first[p]:.3f}",
+                 "working_bytes": state[p][1].working_bytes() if p != "plain" else 0,
+                 "load_min_max": f"{min(loads):.1f}-{max(loads):.1f}"} for p in paths]  # fmt: skip
+        report(f"decode steps, {P}-token prompt", rows, "bench_serving_decode",
+               {"export": export.name, "threads": args.threads})  # fmt: skip
+
+
 # ------------------------------------------------------------------------------- memory
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
@@ -349,17 +406,20 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--out", required=True)
     e.add_argument("--source", default=str(SMOLLM2))
     e.add_argument("--rate", type=float, default=STUDY_RATE)
-    for name in ("speed", "memory", "_memory_child", "recall"):
+    for name in ("speed", "decode", "memory", "_memory_child", "recall"):
         s = sub.add_parser(name)
         s.add_argument("--export", required=True)
         s.add_argument("--threads", type=int, default=1)
         s.add_argument("--new-tokens", type=int, default=16)
-        if name in ("speed", "memory"):
+        if name in ("speed", "decode", "memory"):
             s.add_argument("--prompts", default="2000", help="prompt lengths, comma-separated")
             s.add_argument("--paths", default="plain,packed,buffer",
                            help=f"comma-separated, from {PATHS}")  # fmt: skip
         if name == "speed":
             s.add_argument("--repeats", type=int, default=3)
+        if name == "decode":
+            s.add_argument("--rounds", type=int, default=7)
+            s.add_argument("--steps", type=int, default=4)
         if name == "memory":
             s.add_argument("--batches", default="1")
             s.add_argument("--cap-mib", type=float, default=0.0)
@@ -379,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in getattr(args, "paths", "").split(","):
         if name and name not in PATHS:
             raise SystemExit(f"--paths: {name!r} is not one of {PATHS}")
-    {"speed": cmd_speed, "memory": cmd_memory, "_memory_child": cmd_memory_child,
+    {"speed": cmd_speed, "decode": cmd_decode, "memory": cmd_memory, "_memory_child": cmd_memory_child,
      "recall": cmd_recall}[args.cmd](args)  # fmt: skip
 
 

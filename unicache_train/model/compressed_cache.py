@@ -32,6 +32,7 @@ segment counts ``R + Dr`` elements per entry (plus scales), the uncompressed bas
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,14 @@ from unicache_train.seam import (
 __all__ = ["DECODE_PATHS", "CompressedKVCache", "StoredSegment"]
 
 #: How :meth:`CompressedKVCache.attend` reads a packed segment (see its docstring).
-DECODE_PATHS = ("auto", "packed", "buffer", "reference")
+DECODE_PATHS = ("auto", "packed", "int8", "buffer", "reference")
+
+
+def _int4_rows(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """:func:`unicache_train.seam.unpack_int4` by int8 shifts (sign-extending nibbles): the
+    same int8 [..., D], without its int16 temporaries (it runs once per layer per prompt)."""
+    s = packed.view(torch.int8)
+    return torch.stack([(s << 4) >> 4, s >> 4], -1).flatten(-2)[..., :dim].contiguous()
 
 
 # --------------------------------------------------------------------------------- storage
@@ -269,9 +277,11 @@ class CompressedKVCache(KVCache):
             to attention are the keys' first ``R`` features, and the baseline is the
             uncompressed latent cache. No sliding windows (MLA has none).
         decode_path: how :meth:`attend` reads a packed (int8/int4) segment: ``"auto"`` (default)
-            takes ``"packed"`` on CUDA and ``"buffer"`` on CPU (chosen by measurement: on CPU
-            the packed path's per-step unpacking costs more than the plain cache's attention,
-            docs/serving.md); ``"packed"`` reads
+            takes ``"packed"`` on CUDA and ``"int8"`` on CPU (chosen by measurement,
+            docs/serving.md); ``"int8"`` unpacks an int4 segment once, at its first decode
+            step, into int8 rows (a working copy twice the packed payload, a quarter of an fp32
+            cache; an int8 segment is read as stored) that each step converts to float at full
+            width for BLAS; ``"packed"`` reads
             the packed bytes at every step (:func:`unicache_train.ops.decode_attention`: Triton
             on CUDA, BLAS on half-width unpacked nibbles on CPU; nothing segment-sized is kept);
             ``"buffer"`` dequantizes each layer's segment once, at its first decode step, into a
@@ -445,13 +455,12 @@ class CompressedKVCache(KVCache):
         if work is None:
             path = self.decode_path
             if path == "auto":
-                path = "packed" if q.is_cuda else "buffer"
+                path = "packed" if q.is_cuda else "int8"
             work = self._work[layer_idx] = self._start(seg, k, path)
         k_dec, v_dec = self._append(layer_idx, work, k, v)  # [B, Hk, S, D] views
-        if work["path"] == "packed":
-            assert seg.quant is not None
+        if work["path"] in ("packed", "int8"):
             return decode_attention(
-                q, seg.quant, seg.head_map, seg.counts, seg.valid, k_dec, v_dec, scale,
+                q, work["quant"], seg.head_map, seg.counts, seg.valid, k_dec, v_dec, scale,
                 backend=self.backend, bias=work["bias"],
             )  # fmt: skip
         # "buffer": the segment was dequantized once, the decoded tokens follow it in place.
@@ -479,8 +488,16 @@ class CompressedKVCache(KVCache):
         """A layer's working state at its first decode call: the segment bias and, for the
         ``"buffer"`` path, the dequantized segment at the head of a preallocated buffer."""
         bias = segment_bias(seg.counts, seg.valid)  # [B, M] float32, -inf invalid
+        quant = seg.quant
+        assert quant is not None
+        if path == "int8" and quant.bits == 4:  # the one unpacking of this layer
+            quant = dataclasses.replace(
+                quant, bits=8, k_data=_int4_rows(quant.k_data, quant.head_dim),
+                v_data=_int4_rows(quant.v_data, quant.head_dim),
+            )  # fmt: skip
         if path != "buffer":
-            return {"bias": bias, "m": 0, "k": None, "v": None, "n": 0, "path": path}
+            return {"bias": bias, "m": 0, "k": None, "v": None, "n": 0, "path": path,
+                    "quant": quant}  # fmt: skip
         k_seg, v_seg = seg.kv(k.dtype)  # [B, Hk, M, D]: the one dequantization of this layer
         M = k_seg.shape[2]
         kb = k.new_empty(*k_seg.shape[:2], M + 64, k_seg.shape[3])
@@ -512,11 +529,16 @@ class CompressedKVCache(KVCache):
 
     def working_bytes(self) -> int:
         """Bytes held beyond the stored cache (:meth:`kv_bytes` + :meth:`decoded_bytes`): the
-        ``"buffer"`` path's dequantized segments and every layer's unused decoded capacity,
-        at their real element sizes."""
+        ``"buffer"`` path's dequantized segments, the ``"int8"`` path's unpacked rows and every
+        layer's unused decoded capacity, at their real element sizes."""
         total = 0
         for i, work in enumerate(self._work):
-            if work is None or work["k"] is None:
+            if work is None:
+                continue
+            seg = self.segments[i]
+            if work.get("quant") is not None and seg is not None and work["quant"] is not seg.quant:
+                total += work["quant"].k_data.nbytes + work["quant"].v_data.nbytes  # int8 copy
+            if work["k"] is None:
                 continue
             kb, vb = work["k"], work["v"]
             held = (self.keys[i].numel() + self.values[i].numel()) * kb.element_size()

@@ -138,6 +138,23 @@ def _token_and_channel(scale: torch.Tensor, granularity: str, M: int, D: int):
     return s[:, :, None].expand(B, G, M), s.new_ones(B, G, D)
 
 
+def _seg_logits(q: torch.Tensor, data: torch.Tensor, bits: int) -> torch.Tensor:
+    """``q [..., n, D] @ unpacked(data [..., M, Dp])^T -> [..., n, M]`` (integer keys)."""
+    if bits == 8:  # int8 rows convert in one op at full width
+        return torch.matmul(q, data.float().transpose(-1, -2))
+    ke, ko = unpack_pairs(data, bits)  # [..., M, D/2]
+    out = torch.matmul(q[..., 0::2], ke.transpose(-1, -2))
+    return out.add_(torch.matmul(q[..., 1::2], ko.transpose(-1, -2)))
+
+
+def _seg_values(p: torch.Tensor, data: torch.Tensor, bits: int) -> torch.Tensor:
+    """``p [..., n, M] @ unpacked(data [..., M, Dp]) -> [..., n, D]`` (integer values)."""
+    if bits == 8:
+        return torch.matmul(p, data.float())
+    ve, vo = unpack_pairs(data, bits)
+    return torch.stack([torch.matmul(p, ve), torch.matmul(p, vo)], -1).flatten(-2)
+
+
 def decode_attention_packed(
     q: torch.Tensor,
     quant: QuantizedKV,
@@ -152,8 +169,9 @@ def decode_attention_packed(
 ) -> torch.Tensor:
     """The CPU path: attention that reads the packed segment at every step.
 
-    Per sample and KV head, the packed keys are unpacked into two half-width float tensors (the
-    even and odd features) that live for one layer's call only, and go straight into BLAS:
+    Per sample and KV head, int4 keys are unpacked into two half-width float tensors (the even
+    and odd features; int8 keys convert at full width) that live for one layer's call only, and
+    go straight into BLAS:
     ``logits = (q_even @ K_even^T + q_odd @ K_odd^T) * k_scale``; the values likewise, with their
     per-entry scales folded into the softmax weights and channel scales into the query (keys) or
     the output (values). Nothing segment-sized is kept between steps, and no ``[B, H, M, D]``
@@ -178,17 +196,20 @@ def decode_attention_packed(
     out = q.new_empty(B, Hk, R * T, D, dtype=torch.float32)
     for b in range(B):  # a sample's packed tensors are contiguous slices
         slot = head_map[b]
-        # Unmerged heads read the slots in place; merged ones gather packed bytes (1/8 of fp32).
-        slot = None if quant.k_data.shape[1] == Hk and bool((slot == identity).all()) else slot
-
-        def pick(x: torch.Tensor, slot: torch.Tensor | None = slot) -> torch.Tensor:
-            return x if slot is None else x.index_select(0, slot)  # [G, ...] -> [Hk, ...]
-
-        qs = qg[b] * (pick(k_ch[b]) * scale)[:, None, :]  # channel scales fold into the query
-        ke, ko = unpack_pairs(pick(quant.k_data[b]), quant.bits)  # [Hk, M, D/2]
-        logits = torch.matmul(qs[..., 0::2], ke.transpose(1, 2))
-        logits.baddbmm_(qs[..., 1::2], ko.transpose(1, 2))  # [Hk, RT, M]
-        logits.mul_(pick(k_tok[b])[:, None, :]).add_(bias[b])
+        qs = qg[b] * (k_ch[b].index_select(0, slot) * scale)[:, None, :]  # channel key scales
+        kd, vd = quant.k_data[b], quant.v_data[b]  # [G, M, Dp]
+        if quant.k_data.shape[1] == Hk and bool((slot == identity).all()):
+            groups = None  # one slot per head: one batched matmul over the heads
+            logits = _seg_logits(qs, kd, quant.bits)  # [Hk, RT, M]
+            logits.mul_(k_tok[b][:, None, :])
+        else:  # merged heads: the heads of a slot read its rows once, in one matmul
+            groups = [(g, (slot == g).nonzero().flatten()) for g in slot.unique().tolist()]
+            logits = qs.new_empty(Hk, R * T, M)
+            for g, heads in groups:
+                rows = qs.index_select(0, heads).reshape(-1, D)  # [n * RT, D]
+                lg = _seg_logits(rows, kd[g], quant.bits).mul_(k_tok[b, g])
+                logits[heads] = lg.view(len(heads), R * T, M)
+        logits.add_(bias[b])
         mx = logits.amax(-1)  # [Hk, RT]
         ld = None
         if k_dec is not None and k_dec.shape[2]:
@@ -200,12 +221,15 @@ def decode_attention_packed(
         mx = mx.clamp_min(torch.finfo(torch.float32).min)  # an all-masked row stays finite
         p = logits.sub_(mx[..., None]).exp_()  # [Hk, RT, M]
         den = p.sum(-1)
-        p.mul_(pick(v_tok[b])[:, None, :])  # per-entry value scales fold into the weights
-        ve, vo = unpack_pairs(pick(quant.v_data[b]), quant.bits)  # [Hk, M, D/2]
         ob = out[b]
-        ob[..., 0::2] = torch.matmul(p, ve)
-        ob[..., 1::2] = torch.matmul(p, vo)
-        ob.mul_(pick(v_ch[b])[:, None, :])
+        if groups is None:
+            p.mul_(v_tok[b][:, None, :])  # per-entry value scales fold into the weights
+            ob.copy_(_seg_values(p, vd, quant.bits).mul_(v_ch[b][:, None, :]))
+        else:
+            for g, heads in groups:
+                rows = p.index_select(0, heads).mul_(v_tok[b, g]).reshape(-1, M)
+                og = _seg_values(rows, vd[g], quant.bits).mul_(v_ch[b, g])  # [n * RT, D]
+                ob[heads] = og.view(len(heads), R * T, D)
         if ld is not None:
             pd = ld.sub_(mx[..., None]).exp_()  # [Hk, RT, S]
             den = den + pd.sum(-1)
