@@ -439,8 +439,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in getattr(args, "paths", "").split(","):
         if name and name not in PATHS:
             raise SystemExit(f"--paths: {name!r} is not one of {PATHS}")
-    {"speed": cmd_speed, "decode": cmd_decode, "memory": cmd_memory, "_memory_child": cmd_memory_child,
-     "recall": cmd_recall}[args.cmd](args)  # fmt: skip
+    commands = {"speed": cmd_speed, "decode": cmd_decode, "memory": cmd_memory,
+                "_memory_child": cmd_memory_child, "recall": cmd_recall}  # fmt: skip
+    commands[args.cmd](args)
 
 
 if __name__ == "__main__":
