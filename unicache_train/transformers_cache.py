@@ -41,8 +41,10 @@ Decode steps of a packed (int8/int4) segment go through
 CUDA, :func:`unicache_train.ops.decode_attention.decode_attention_packed` on CPU) and the decoded
 tokens go into a preallocated buffer (no per-step concatenation); ``decode_path="buffer"``
 dequantizes each layer's segment once into a working buffer (faster on CPU, as large as an
-uncompressed cache in the model's dtype; :meth:`CompressedCache.working_bytes`). The default,
-``"auto"``, takes the packed path on CUDA and the buffer on CPU (measured: docs/serving.md).
+uncompressed cache in the model's dtype; :meth:`CompressedCache.working_bytes`);
+``decode_path="int8"`` unpacks an int4 segment once into int8 rows (twice the packed payload)
+that BLAS reads at every step. The default, ``"auto"``, takes the packed path on CUDA and the
+buffer on CPU (measured: docs/serving.md; int8 and packed save memory at some speed there).
 
 One cache serves one prompt (batch): a second ``generate()`` on a cache that already decoded
 raises and names :meth:`CompressedCache.reset`. Prefilling by hand and then calling
@@ -157,7 +159,7 @@ class CompressedCache(Cache):
         cache_dtype_bytes: bytes per element of the deployed floating cache (byte accounting).
         policy: the policy the compressor came from (kept for ``repr`` and reports).
         decode_path: how decode steps read a packed segment: ``"auto"`` (default: packed on
-            CUDA, buffer on CPU), ``"packed"``, ``"buffer"`` or ``"reference"``
+            CUDA, buffer on CPU), ``"packed"``, ``"int8"``, ``"buffer"`` or ``"reference"``
             (:class:`~unicache_train.model.compressed_cache.CompressedKVCache`).
         backend: the packed path's kernel (``"auto"``: Triton on CUDA, BLAS on CPU).
     """

@@ -277,8 +277,9 @@ class CompressedKVCache(KVCache):
             to attention are the keys' first ``R`` features, and the baseline is the
             uncompressed latent cache. No sliding windows (MLA has none).
         decode_path: how :meth:`attend` reads a packed (int8/int4) segment: ``"auto"`` (default)
-            takes ``"packed"`` on CUDA and ``"int8"`` on CPU (chosen by measurement,
-            docs/serving.md); ``"int8"`` unpacks an int4 segment once, at its first decode
+            takes ``"packed"`` on CUDA and ``"buffer"`` on CPU (chosen by measurement: the one
+            path at or above a plain cache's tokens/s on CPU at 2k tokens, docs/serving.md);
+            ``"int8"`` unpacks an int4 segment once, at its first decode
             step, into int8 rows (a working copy twice the packed payload, a quarter of an fp32
             cache; an int8 segment is read as stored) that each step converts to float at full
             width for BLAS; ``"packed"`` reads
@@ -455,7 +456,7 @@ class CompressedKVCache(KVCache):
         if work is None:
             path = self.decode_path
             if path == "auto":
-                path = "packed" if q.is_cuda else "int8"
+                path = "packed" if q.is_cuda else "buffer"
             work = self._work[layer_idx] = self._start(seg, k, path)
         k_dec, v_dec = self._append(layer_idx, work, k, v)  # [B, Hk, S, D] views
         if work["path"] in ("packed", "int8"):
