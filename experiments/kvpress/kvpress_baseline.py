@@ -350,10 +350,16 @@ def run_presses(args) -> None:
     out_csv = args.out_dir / f"kvpress_{args.name}.csv"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     new = not out_csv.exists()
+    if not new:  # a row already in the CSV (its predictions beside it) is not run again
+        with out_csv.open(newline="") as f:
+            done = {r["predictions"] for r in csv.DictReader(x for x in f if x[0] != "#")}
+        skip = [s for s in grid if f"kvpress_{args.name}_{s.name}.jsonl" in done]
+        if skip:
+            print(f"{out_csv}: rows already there, skipped: {[s.name for s in skip]}")
+        grid = [s for s in grid if s not in skip]
     failed = []
     with out_csv.open("a", newline="") as f:
-        if new:
-            f.write(f"# command: {' '.join(sys.argv)}\n")
+        f.write(f"# command: {' '.join(sys.argv)}\n")  # every invocation that adds rows
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         if new:
             w.writeheader()
