@@ -16,7 +16,9 @@ The previous path runs on the first ``--n-old`` prompts (it is slow), the batche
 ``--n``; the speed-up is the ratio of seconds per prompt (wall and process CPU time), and the
 predictions of the shared prompts must be equal. A row is appended to
 ``benchmarks/results/bench_eval.csv`` with the machine and the 1-minute load before and after
-(a load above the core count means contended timings: then the CPU-time ratio is the fairer one).
+(a load above the core count means contended timings: then the CPU-time ratio is the fairer one,
+and with ``--threads 1`` the CPU time is what one idle core's wall clock would read; two threads
+on an oversubscribed machine also burn CPU time spin-waiting, which inflates both paths).
 """
 
 from __future__ import annotations
@@ -127,8 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         "same_predictions": same, "accuracy": round(new.accuracy, 4),
     }  # fmt: skip
     print("\n".join(f"{k:>24}: {v}" for k, v in row.items()))
-    verdict = "met" if row["batched_wall_s_per_200"] <= TARGET_S else "missed"
-    print(f"target: 200 prompts in <= {TARGET_S:.0f} s on 2 cores: {verdict} at this load")
+    wall = row["batched_wall_s_per_200"]
+    print(f"target: 200 prompts in <= {TARGET_S:.0f} s on 2 cores: wall {wall} s at this load: "
+          + ("met" if wall <= TARGET_S else "missed"))  # fmt: skip
+    if args.threads == 1:
+        # One thread's CPU time is its wall time on an idle core: the figure a quiet machine gives.
+        cpu = round(new_c / args.n * 200, 1)
+        print(f"  one thread, CPU time per 200 prompts: {cpu} s: "
+              + ("met" if cpu <= TARGET_S else "missed") + " on an idle core")  # fmt: skip
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     new_file = not RESULTS.is_file()
     with RESULTS.open("a", newline="") as f:
