@@ -73,25 +73,26 @@ def calibrate(cfg: dict, model, tok, raw: Path) -> dict[str, float]:
     from unicache_train.eval.text import text_blocks
 
     path = raw / "calibration.json"
-    if path.is_file():
-        return json.loads(path.read_text())
+    rates = json.loads(path.read_text()) if path.is_file() else {}
+    todo = [n for n, s in cfg["settings"].items() if "reduction" in s and n not in rates]
+    if not todo:
+        return rates
     c = cfg["calibration"]
     # NOTE: calibration blocks come from the end of the chapter order, never scored below.
     docs = eval_documents()[::-1]
     ids = text_blocks(tok, docs, c["block"], c["blocks"])
     split = torch.full((ids.shape[0],), c["context"], dtype=torch.long)
-    rates = {}
-    for name, s in cfg["settings"].items():
-        if "reduction" in s:
-            rate, got = rate_for_reduction(
-                model, ids, split,
-                lambda r, q=s["quantize"]: UniCacheCompressor(text_unicache(r, 0, q)),
-                float(s["reduction"]),
-            )  # fmt: skip
-            rates[name] = rate
-            print(f"  {name}: rate {rate:.4f}, calibrated reduction {got:.2f}x", flush=True)
-    raw.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rates, indent=1))
+    for name in todo:
+        s = cfg["settings"][name]
+        rate, got = rate_for_reduction(
+            model, ids, split,
+            lambda r, q=s["quantize"]: UniCacheCompressor(text_unicache(r, 0, q)),
+            float(s["reduction"]),
+        )  # fmt: skip
+        rates[name] = rate
+        print(f"  {name}: rate {rate:.4f}, calibrated reduction {got:.2f}x", flush=True)
+        raw.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rates, indent=1))  # after each: resumable
     return rates
 
 

@@ -206,6 +206,13 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
                 if m != "base" and base and (m, task, s) in cells:
                     md.append(_mcnemar_line(f"{task} · {s}: base vs {m}",
                                             *_paired(base[0], cells[(m, task, s)][0])))  # fmt: skip
+    # the same bytes bought with fewer bits only vs with eviction too, same model and prompts
+    for task in cfg["tasks"]:
+        for m in models:
+            a, b = cells.get((m, task, "int4_plain")), cells.get((m, task, "unicache_int4_4x"))
+            if a and b:
+                md.append(_mcnemar_line(f"{task} · {m}: int4_plain vs unicache_int4_4x",
+                                        *_paired(a[0], b[0])))  # fmt: skip
     # what compression costs each model: uncompressed vs compressed, same model and prompts
     for task in cfg["tasks"]:
         for m in models:
