@@ -92,7 +92,7 @@ def test_dispatch_refuses_unknown_and_unavailable_backends():
         decode_attention_packed(q[:, :5], quant, head_map, counts, valid, kd, vd)
 
 
-@pytest.mark.parametrize("path", ["packed", "buffer"])
+@pytest.mark.parametrize("path", ["packed", "int8", "buffer"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_cache_attend_equals_reference_path_over_many_steps(path, bits):
     """CompressedKVCache.attend (decoded tokens appended in place, capacity grown past its
@@ -104,8 +104,9 @@ def test_cache_attend_equals_reference_path_over_many_steps(path, bits):
                         context_tokens=torch.tensor([30, 30]))  # fmt: skip
     fast = CompressedKVCache(1, decode_path=path)
     ref = CompressedKVCache(1, decode_path="reference")
-    fast.set_segment(0, seg)
-    ref.set_segment(0, seg)
+    packed = CompressedKVCache(1, decode_path="packed")  # the working-bytes yardstick
+    for cache in (fast, ref, packed):
+        cache.set_segment(0, seg)
     g = torch.Generator().manual_seed(3)
     for step in range(70):
         T = 3 if step == 0 else 1
@@ -113,6 +114,7 @@ def test_cache_attend_equals_reference_path_over_many_steps(path, bits):
         k, v = torch.randn(2, 3, T, 16, generator=g), torch.randn(2, 3, T, 16, generator=g)
         a = fast.attend(0, q, k, v)
         b = ref.attend(0, q, k, v)
+        packed.attend(0, q, k, v)
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     assert fast.length(0) == ref.length(0) == 21 + 72
     torch.testing.assert_close(fast.keys[0], ref.keys[0], atol=0, rtol=0)
@@ -120,6 +122,9 @@ def test_cache_attend_equals_reference_path_over_many_steps(path, bits):
     assert ref.working_bytes() == 0
     if path == "buffer":  # the dequantized segment (fp32, 3 KV heads) is a working buffer
         assert fast.working_bytes() >= 2 * 2 * 3 * 21 * 16 * 4
+    unpacked = 2 * 2 * 3 * 21 * 16 if (path, bits) == ("int8", 4) else 0  # int8 rows of K, V
+    if path != "buffer":
+        assert fast.working_bytes() - packed.working_bytes() == unpacked
     with pytest.raises(ValueError, match="decode_path='fast'"):
         CompressedKVCache(1, decode_path="fast")
 

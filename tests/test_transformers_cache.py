@@ -178,19 +178,19 @@ def test_beam_search_and_chunked_prefill_keep_clear_errors(tmp_path):
 
 
 def test_decode_paths_give_the_reference_tokens(tmp_path):
-    """Stock generate() with the packed and buffer decode paths == the reference path (the
-    former per-step dequantize): the same greedy tokens, logits within 1e-4, the same stored
-    bytes; the buffer path holds, beyond what the packed path holds, exactly each layer's
+    """Stock generate() with the packed, int8 and buffer decode paths == the reference path
+    (the former per-step dequantize): the same greedy tokens, logits within 1e-4, the same
+    stored bytes; the buffer path holds, beyond what the packed path holds, exactly each layer's
     dequantized segment in fp32 (its working buffer), the reference path nothing."""
     out, model, ids, kw = _tiny_generate_setup(tmp_path)
     runs = {}
-    for path in ("reference", "packed", "buffer"):
+    for path in ("reference", "packed", "int8", "buffer"):
         cache = CompressedCache.from_pretrained(out, decode_path=path)
         res = model.generate(ids, **{CACHE_ARGUMENT: cache}, output_logits=True,
                              return_dict_in_generate=True, **kw)  # fmt: skip
         runs[path] = (res.sequences, torch.stack(res.logits, 1), cache)
     seq_r, log_r, c_r = runs["reference"]
-    for path in ("packed", "buffer"):
+    for path in ("packed", "int8", "buffer"):
         seq, log, c = runs[path]
         assert torch.equal(seq, seq_r), path
         torch.testing.assert_close(log, log_r, atol=1e-4, rtol=0)
@@ -199,6 +199,8 @@ def test_decode_paths_give_the_reference_tokens(tmp_path):
     dequantized = sum(2 * 4 * seg.head_map.numel() * seg.valid.shape[1] * seg.quant.head_dim
                       for seg in runs["buffer"][2].inner.segments)  # fmt: skip
     assert runs["buffer"][2].working_bytes() - runs["packed"][2].working_bytes() == dequantized
+    # int8 policy: the int8 path reads the stored rows as they are (no copy)
+    assert runs["int8"][2].working_bytes() == runs["packed"][2].working_bytes()
 
 
 def test_unpadded_prompt_takes_the_causal_kernel_exactly(tmp_path):
