@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unicache_train.ops.decode_attention import _check, segment_bias
+from unicache_train.ops.decode_attention import check_decode_inputs, segment_bias
 from unicache_train.seam import QuantizedKV
 
 _GRANULARITY = {"token_head": 0, "head": 1, "channel": 2}
@@ -189,7 +189,7 @@ def decode_attention_triton(
     Raises:
         ValueError: an odd head dim (the kernel reads even/odd feature pairs).
     """
-    _check(q, quant, head_map, k_dec, v_dec)
+    check_decode_inputs(q, quant, head_map, k_dec, v_dec)
     B, H, T, D = q.shape
     if D % 2:
         raise ValueError(f"decode_attention_triton: head dim {D} must be even")

@@ -23,11 +23,7 @@ SCRIPT = REPO / "scripts" / "gpu_check.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("scripts.gpu_check")
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from unicache_train.seam import QuantizedKV, dequantize
 
 __all__ = [
+    "check_decode_inputs",
     "decode_attention",
     "decode_attention_packed",
     "decode_attention_reference",
@@ -59,7 +60,9 @@ def segment_bias(counts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return bias.masked_fill(~valid, float("-inf"))
 
 
-def _check(q: torch.Tensor, quant: QuantizedKV, head_map: torch.Tensor, k_dec, v_dec) -> None:
+def check_decode_inputs(
+    q: torch.Tensor, quant: QuantizedKV, head_map: torch.Tensor, k_dec, v_dec
+) -> None:
     if quant.latent or (quant.value_dim not in (None, quant.head_dim)):
         raise NotImplementedError("decode_attention: latent (MLA) or K/V-width-split segments")
     B, H, T, D = q.shape
@@ -96,7 +99,7 @@ def decode_attention_reference(
     Returns:
         [B, H, T, D] in ``q``'s dtype.
     """
-    _check(q, quant, head_map, k_dec, v_dec)
+    check_decode_inputs(q, quant, head_map, k_dec, v_dec)
     B, H, T, D = q.shape
     Hk = head_map.shape[1]
     k, v = dequantize(quant)  # [B, G, M, D] float32
@@ -181,7 +184,7 @@ def decode_attention_packed(
     Same arguments and result as :func:`decode_attention_reference`; ``bias`` may pass a
     precomputed :func:`segment_bias` (a cache computes it once per prompt).
     """
-    _check(q, quant, head_map, k_dec, v_dec)
+    check_decode_inputs(q, quant, head_map, k_dec, v_dec)
     B, H, T, D = q.shape
     Hk = head_map.shape[1]
     R = H // Hk
