@@ -112,20 +112,26 @@ def new_cache(export: Path, path: str):
 def held_kv_bytes(cache, path: str) -> int:
     """K/V bytes the cache holds at its real element sizes."""
     if path == "plain":
-        return sum(t.numel() * t.element_size() for layer in cache.layers
-                   for t in (layer.keys, layer.values) if t is not None)  # fmt: skip
+        return sum(
+            t.numel() * t.element_size()
+            for layer in cache.layers
+            for t in (layer.keys, layer.values)
+            if t is not None
+        )
     inner = cache.inner
     packed = 0
     for seg in inner.segments:
         q = seg.quant
         if q is not None:
-            packed += sum(t.numel() * t.element_size()
-                          for t in (q.k_data, q.v_data, q.k_scale, q.v_scale))  # fmt: skip
+            packed += sum(
+                t.numel() * t.element_size() for t in (q.k_data, q.v_data, q.k_scale, q.v_scale)
+            )
         else:  # unquantized segment (a policy without quantization)
             packed += sum(t.numel() * t.element_size() for t in (seg.keys, seg.values))
         packed += seg.counts.numel() * 2 + seg.head_map.numel()
-    decoded = sum(t.numel() * t.element_size() for t in (*inner.keys, *inner.values)
-                  if t is not None)  # fmt: skip
+    decoded = sum(
+        t.numel() * t.element_size() for t in (*inner.keys, *inner.values) if t is not None
+    )
     return packed + decoded + cache.working_bytes()
 
 
@@ -142,13 +148,25 @@ def run_once(model, tok, export: Path, ids: torch.Tensor, new_tokens: int, path:
         model(ids, **{CACHE_ARGUMENT: cache}, logits_to_keep=1)
         w1, c1 = time.perf_counter(), time.process_time()
         full = torch.cat([ids, ids[:, -1:]], 1)  # one token to start decoding
-        out = model.generate(full, attention_mask=torch.ones_like(full), **{CACHE_ARGUMENT: cache},
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             pad_token_id=tok.pad_token_id, **GEN)  # fmt: skip
+        out = model.generate(
+            full,
+            attention_mask=torch.ones_like(full),
+            **{CACHE_ARGUMENT: cache},
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=tok.pad_token_id,
+            **GEN,
+        )
         w2, c2 = time.perf_counter(), time.process_time()
     n = (out.shape[1] - full.shape[1]) * ids.shape[0]
-    return dict(prefill_s=w1 - w0, prefill_cpu_s=c1 - c0, tps=n / (w2 - w1), tps_cpu=n / (c2 - c1),
-                tokens=out[0, full.shape[1] :].tolist(), cache=cache)  # fmt: skip
+    return dict(
+        prefill_s=w1 - w0,
+        prefill_cpu_s=c1 - c0,
+        tps=n / (w2 - w1),
+        tps_cpu=n / (c2 - c1),
+        tokens=out[0, full.shape[1] :].tolist(),
+        cache=cache,
+    )
 
 
 # -------------------------------------------------------------------------------- speed
@@ -171,15 +189,24 @@ def cmd_speed(args) -> None:
                 res[p].append(run_once(model, tok, export, ids, args.new_tokens, p))
                 loads.append(os.getloadavg()[0])
                 x = res[p][-1]
-                raw = {"path": p, "prompt_tokens": P, "repeat": r,
-                       **{k: f"{x[k]:.3f}" for k in ("prefill_s", "prefill_cpu_s", "tps",
-                                                      "tps_cpu")}}  # fmt: skip
-                report(f"run {r} {p}", [raw], "bench_serving_speed_raw",
-                       {"export": export.name, "threads": args.threads,
-                        "new_tokens": args.new_tokens})  # fmt: skip
-                print(f"P={P} repeat {r} {p:9s} prefill {x['prefill_s']:.2f}s "
-                      f"(cpu {x['prefill_cpu_s']:.2f}) decode {x['tps']:.2f} tok/s "
-                      f"(cpu {x['tps_cpu']:.2f}) load {loads[-1]:.2f}", flush=True)  # fmt: skip
+                raw = {
+                    "path": p,
+                    "prompt_tokens": P,
+                    "repeat": r,
+                    **{k: f"{x[k]:.3f}" for k in ("prefill_s", "prefill_cpu_s", "tps", "tps_cpu")},
+                }
+                report(
+                    f"run {r} {p}",
+                    [raw],
+                    "bench_serving_speed_raw",
+                    {"export": export.name, "threads": args.threads, "new_tokens": args.new_tokens},
+                )
+                print(
+                    f"P={P} repeat {r} {p:9s} prefill {x['prefill_s']:.2f}s "
+                    f"(cpu {x['prefill_cpu_s']:.2f}) decode {x['tps']:.2f} tok/s "
+                    f"(cpu {x['tps_cpu']:.2f}) load {loads[-1]:.2f}",
+                    flush=True,
+                )
 
         def med(p: str, key: str, res: dict = res) -> float:
             return statistics.median(x[key] for x in res[p])
@@ -189,23 +216,34 @@ def cmd_speed(args) -> None:
         for p in paths:
             cache = res[p][-1]["cache"]
             stored = prompt_kv_bytes(cfg, P) if p == "plain" else cache.kv_bytes()
-            rows.append({
-                "path": p, "prompt_tokens": P, "new_tokens": args.new_tokens,
-                "repeats": args.repeats,
-                "prefill_s": f"{med(p, 'prefill_s'):.2f}",
-                "prefill_ratio": f"{med(p, 'prefill_s') / base['prefill_s']:.3f}",
-                "prefill_cpu_ratio": f"{med(p, 'prefill_cpu_s') / base['prefill_cpu_s']:.3f}",
-                "decode_tps": f"{med(p, 'tps'):.3f}",
-                "decode_ratio": f"{med(p, 'tps') / base['tps']:.3f}",
-                "decode_cpu_ratio": f"{med(p, 'tps_cpu') / base['tps_cpu']:.3f}",
-                "stored_kv_bytes_16bit": stored,
-                "reduction": f"{prompt_kv_bytes(cfg, P) / stored:.3f}",
-                "same_tokens_as_packed": (res[p][-1]["tokens"] == res["packed"][-1]["tokens"]
-                                          if "packed" in res else ""),
-                "load_min_max": f"{min(loads):.1f}-{max(loads):.1f}",
-            })  # fmt: skip
-        report(f"serving speed, {P}-token prompt", rows, "bench_serving_speed",
-               {"export": export.name, "threads": args.threads})  # fmt: skip
+            rows.append(
+                {
+                    "path": p,
+                    "prompt_tokens": P,
+                    "new_tokens": args.new_tokens,
+                    "repeats": args.repeats,
+                    "prefill_s": f"{med(p, 'prefill_s'):.2f}",
+                    "prefill_ratio": f"{med(p, 'prefill_s') / base['prefill_s']:.3f}",
+                    "prefill_cpu_ratio": f"{med(p, 'prefill_cpu_s') / base['prefill_cpu_s']:.3f}",
+                    "decode_tps": f"{med(p, 'tps'):.3f}",
+                    "decode_ratio": f"{med(p, 'tps') / base['tps']:.3f}",
+                    "decode_cpu_ratio": f"{med(p, 'tps_cpu') / base['tps_cpu']:.3f}",
+                    "stored_kv_bytes_16bit": stored,
+                    "reduction": f"{prompt_kv_bytes(cfg, P) / stored:.3f}",
+                    "same_tokens_as_packed": (
+                        res[p][-1]["tokens"] == res["packed"][-1]["tokens"]
+                        if "packed" in res
+                        else ""
+                    ),
+                    "load_min_max": f"{min(loads):.1f}-{max(loads):.1f}",
+                }
+            )
+        report(
+            f"serving speed, {P}-token prompt",
+            rows,
+            "bench_serving_speed",
+            {"export": export.name, "threads": args.threads},
+        )
 
 
 # ------------------------------------------------------------------------------- decode
@@ -242,21 +280,38 @@ def cmd_decode(args) -> None:
                     w0, c0 = time.perf_counter(), time.process_time()
                     for _ in range(args.steps):
                         nxt = model(nxt, **{CACHE_ARGUMENT: cache}).logits[:, -1:].argmax(-1)
-                    times[p].append(((time.perf_counter() - w0) / args.steps,
-                                     (time.process_time() - c0) / args.steps))  # fmt: skip
+                    times[p].append(
+                        (
+                            (time.perf_counter() - w0) / args.steps,
+                            (time.process_time() - c0) / args.steps,
+                        )
+                    )
                     state[p][2] = nxt
                     loads.append(os.getloadavg()[0])
         wall = {p: statistics.median(t[0] for t in times[p]) for p in paths}
         cpu = {p: statistics.median(t[1] for t in times[p]) for p in paths}
-        rows = [{"path": p, "prompt_tokens": P, "rounds": args.rounds, "steps": args.steps,
-                 "step_ms": f"{wall[p] * 1e3:.1f}", "step_cpu_ms": f"{cpu[p] * 1e3:.1f}",
-                 "tps_ratio": f"{wall['plain'] / wall[p]:.3f}",
-                 "tps_cpu_ratio": f"{cpu['plain'] / cpu[p]:.3f}",
-                 "first_step_cpu_s": f"{first[p]:.3f}",
-                 "working_bytes": state[p][1].working_bytes() if p != "plain" else 0,
-                 "load_min_max": f"{min(loads):.1f}-{max(loads):.1f}"} for p in paths]  # fmt: skip
-        report(f"decode steps, {P}-token prompt", rows, "bench_serving_decode",
-               {"export": export.name, "threads": args.threads})  # fmt: skip
+        rows = [
+            {
+                "path": p,
+                "prompt_tokens": P,
+                "rounds": args.rounds,
+                "steps": args.steps,
+                "step_ms": f"{wall[p] * 1e3:.1f}",
+                "step_cpu_ms": f"{cpu[p] * 1e3:.1f}",
+                "tps_ratio": f"{wall['plain'] / wall[p]:.3f}",
+                "tps_cpu_ratio": f"{cpu['plain'] / cpu[p]:.3f}",
+                "first_step_cpu_s": f"{first[p]:.3f}",
+                "working_bytes": state[p][1].working_bytes() if p != "plain" else 0,
+                "load_min_max": f"{min(loads):.1f}-{max(loads):.1f}",
+            }
+            for p in paths
+        ]
+        report(
+            f"decode steps, {P}-token prompt",
+            rows,
+            "bench_serving_decode",
+            {"export": export.name, "threads": args.threads},
+        )
 
 
 # ------------------------------------------------------------------------------- memory
@@ -278,11 +333,17 @@ def cmd_memory_child(args) -> None:
     peak_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     x = run_once(model, tok, export, ids, args.new_tokens, args.path)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({
-        "rss_after_load_mib": round(loaded, 1), "peak_before_mib": round(peak_loaded, 1),
-        "peak_rss_mib": round(peak, 1), "held_kv_bytes": held_kv_bytes(x["cache"], args.path),
-        "baseline_kv_bytes_16bit": prompt_kv_bytes(model.config, args.prompt) * args.batch,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "rss_after_load_mib": round(loaded, 1),
+                "peak_before_mib": round(peak_loaded, 1),
+                "peak_rss_mib": round(peak, 1),
+                "held_kv_bytes": held_kv_bytes(x["cache"], args.path),
+                "baseline_kv_bytes_16bit": prompt_kv_bytes(model.config, args.prompt) * args.batch,
+            }
+        )
+    )
 
 
 def cmd_memory(args) -> None:
@@ -290,27 +351,52 @@ def cmd_memory(args) -> None:
     for P in (int(p) for p in args.prompts.split(",")):
         for B in (int(b) for b in args.batches.split(",")):
             for p in args.paths.split(","):
-                cmd = [sys.executable, __file__, "_memory_child", "--export", args.export,
-                       "--prompt", str(P), "--batch", str(B), "--path", p, "--new-tokens",
-                       str(args.new_tokens), "--threads", str(args.threads)]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "_memory_child",
+                    "--export",
+                    args.export,
+                    "--prompt",
+                    str(P),
+                    "--batch",
+                    str(B),
+                    "--path",
+                    p,
+                    "--new-tokens",
+                    str(args.new_tokens),
+                    "--threads",
+                    str(args.threads),
+                ]
                 env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if proc.returncode:
                     print(proc.stderr[-3000:])
                     raise SystemExit(f"memory child failed: {' '.join(cmd)}")
                 m = json.loads(proc.stdout.strip().splitlines()[-1])
-                row = {"path": p, "prompt_tokens": P, "batch": B, **m,
-                       "peak_above_load_mib": round(m["peak_rss_mib"] - m["rss_after_load_mib"], 1),
-                       "held_kv_mib": round(m["held_kv_bytes"] / 2**20, 1)}  # fmt: skip
+                row = {
+                    "path": p,
+                    "prompt_tokens": P,
+                    "batch": B,
+                    **m,
+                    "peak_above_load_mib": round(m["peak_rss_mib"] - m["rss_after_load_mib"], 1),
+                    "held_kv_mib": round(m["held_kv_bytes"] / 2**20, 1),
+                }
                 if args.cap_mib:
                     row["cap_mib"] = args.cap_mib
                     row["fits_cap"] = m["peak_rss_mib"] <= args.cap_mib
                 print(row, flush=True)
                 rows.append(row)
-                report(f"generate() memory, {P} tokens, batch {B}, {p}", [row],
-                       "bench_serving_memory",
-                       {"export": Path(args.export).name, "threads": args.threads,
-                        "new_tokens": args.new_tokens})  # fmt: skip
+                report(
+                    f"generate() memory, {P} tokens, batch {B}, {p}",
+                    [row],
+                    "bench_serving_memory",
+                    {
+                        "export": Path(args.export).name,
+                        "threads": args.threads,
+                        "new_tokens": args.new_tokens,
+                    },
+                )
 
 
 # ------------------------------------------------------------------------------- recall
@@ -331,9 +417,14 @@ def _recall_hf(model, tok, records, compressed: bool, export: Path):
         with torch.no_grad():
             model(ctx, **{CACHE_ARGUMENT: cache})  # prefill: the context is compressed here
             full = torch.cat([ctx, q], 1)
-            out = model.generate(full, attention_mask=torch.ones_like(full),
-                                 **{CACHE_ARGUMENT: cache}, max_new_tokens=n_ans,
-                                 pad_token_id=tok.pad_token_id, **GEN)  # fmt: skip
+            out = model.generate(
+                full,
+                attention_mask=torch.ones_like(full),
+                **{CACHE_ARGUMENT: cache},
+                max_new_tokens=n_ans,
+                pad_token_id=tok.pad_token_id,
+                **GEN,
+            )
         text = tok.decode(out[0, full.shape[1] :].tolist()).lstrip(" ").split("\n")[0].strip()
         preds.append(text)
         base += per_token * ctx.shape[1]
@@ -370,23 +461,45 @@ def cmd_recall(args) -> None:
     for compressed in (False, True):
         model, _ = load_export(export, compressed=compressed)
         t0 = time.perf_counter()
-        preds, kv, base = _recall_hf(model, tok, tqdm(records, desc=f"recall c={compressed}"),
-                                     compressed, export)  # fmt: skip
+        preds, kv, base = _recall_hf(
+            model, tok, tqdm(records, desc=f"recall c={compressed}"), compressed, export
+        )
         secs = time.perf_counter() - t0
         acc = sum(p == r["answer"] for p, r in zip(preds, records)) / len(records)
         same = sum(a == b for a, b in zip(preds, ours.predictions)) if compressed else ""
-        rows.append(dict(measure="recall", path="transformers", compressed=compressed,
-                         method=policy["method"] if compressed else "none", n=len(records),
-                         accuracy=round(acc, 4), stderr=round(se(acc, len(records)), 4),
-                         kv_bytes=kv, baseline_bytes=base, reduction=round(base / kv, 3),
-                         same_as_ours=same, seconds=round(secs, 1)))  # fmt: skip
+        rows.append(
+            dict(
+                measure="recall",
+                path="transformers",
+                compressed=compressed,
+                method=policy["method"] if compressed else "none",
+                n=len(records),
+                accuracy=round(acc, 4),
+                stderr=round(se(acc, len(records)), 4),
+                kv_bytes=kv,
+                baseline_bytes=base,
+                reduction=round(base / kv, 3),
+                same_as_ours=same,
+                seconds=round(secs, 1),
+            )
+        )
     acc = ours.accuracy
-    rows.append(dict(measure="recall", path="unicache_train", compressed=True,
-                     method=policy["method"], n=ours.n, accuracy=round(acc, 4),
-                     stderr=round(se(acc, ours.n), 4), kv_bytes=ours.kv_bytes,
-                     baseline_bytes=ours.baseline_bytes,
-                     reduction=round(ours.baseline_bytes / ours.kv_bytes, 3),
-                     same_as_ours="", seconds=""))  # fmt: skip
+    rows.append(
+        dict(
+            measure="recall",
+            path="unicache_train",
+            compressed=True,
+            method=policy["method"],
+            n=ours.n,
+            accuracy=round(acc, 4),
+            stderr=round(se(acc, ours.n), 4),
+            kv_bytes=ours.kv_bytes,
+            baseline_bytes=ours.baseline_bytes,
+            reduction=round(ours.baseline_bytes / ours.kv_bytes, 3),
+            same_as_ours="",
+            seconds="",
+        )
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
@@ -413,8 +526,9 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--new-tokens", type=int, default=16)
         if name in ("speed", "decode", "memory"):
             s.add_argument("--prompts", default="2000", help="prompt lengths, comma-separated")
-            s.add_argument("--paths", default="plain,packed,buffer",
-                           help=f"comma-separated, from {PATHS}")  # fmt: skip
+            s.add_argument(
+                "--paths", default="plain,packed,buffer", help=f"comma-separated, from {PATHS}"
+            )
         if name == "speed":
             s.add_argument("--repeats", type=int, default=3)
         if name == "decode":
@@ -439,8 +553,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in getattr(args, "paths", "").split(","):
         if name and name not in PATHS:
             raise SystemExit(f"--paths: {name!r} is not one of {PATHS}")
-    commands = {"speed": cmd_speed, "decode": cmd_decode, "memory": cmd_memory,
-                "_memory_child": cmd_memory_child, "recall": cmd_recall}  # fmt: skip
+    commands = {
+        "speed": cmd_speed,
+        "decode": cmd_decode,
+        "memory": cmd_memory,
+        "_memory_child": cmd_memory_child,
+        "recall": cmd_recall,
+    }
     commands[args.cmd](args)
 
 

@@ -54,15 +54,41 @@ def _unpack(ptr, row_off, offs_j, mask, BITS: tl.constexpr):
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, kd_ptr, vd_ptr, ks_ptr, vs_ptr, map_ptr, bias_ptr, kdec_ptr, vdec_ptr,
-    m_out, l_out, acc_out,
-    H, T, M, S, HK, R, SPLIT, NS, scale,
-    s_db, s_dg, s_dm,  # packed data strides (batch, slot, entry); K and V alike
-    s_sb, s_sg,  # scale strides (batch, slot); the entry / channel stride is 1
-    s_eb, s_eh, s_es,  # decoded K/V strides (batch, KV head, token)
-    HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_M: tl.constexpr,
-    BITS: tl.constexpr, GRAN: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    kd_ptr,
+    vd_ptr,
+    ks_ptr,
+    vs_ptr,
+    map_ptr,
+    bias_ptr,
+    kdec_ptr,
+    vdec_ptr,
+    m_out,
+    l_out,
+    acc_out,
+    H,
+    T,
+    M,
+    S,
+    HK,
+    R,
+    SPLIT,
+    NS,
+    scale,
+    s_db,
+    s_dg,
+    s_dm,  # packed data strides (batch, slot, entry); K and V alike
+    s_sb,
+    s_sg,  # scale strides (batch, slot); the entry / channel stride is 1
+    s_eb,
+    s_eh,
+    s_es,  # decoded K/V strides (batch, KV head, token)
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BITS: tl.constexpr,
+    GRAN: tl.constexpr,
+):
     row = tl.program_id(0)  # (b * H + h) * T + t
     split = tl.program_id(1)
     t = row % T
@@ -217,15 +243,41 @@ def decode_attention_triton(
     acc = torch.empty(rows, NS + 1, D, device=q.device, dtype=torch.float32)
     half = D // 2
     _decode_attention_kernel[(rows, NS + 1)](
-        qc, kd, vd, ks, vs, head_map.contiguous(), bias, k_dec, v_dec,
-        m_part, l_part, acc,
-        H, T, M, S, Hk, H // Hk, split, NS, scale,
-        kd.stride(0), kd.stride(1), kd.stride(2),
-        ks.stride(0), ks.stride(1),
-        k_dec.stride(0), k_dec.stride(1), k_dec.stride(2),
-        HALF=half, HALF_P=triton.next_power_of_2(half), BLOCK_M=block_m,
-        BITS=quant.bits, GRAN=_GRANULARITY[quant.granularity],
-    )  # fmt: skip
+        qc,
+        kd,
+        vd,
+        ks,
+        vs,
+        head_map.contiguous(),
+        bias,
+        k_dec,
+        v_dec,
+        m_part,
+        l_part,
+        acc,
+        H,
+        T,
+        M,
+        S,
+        Hk,
+        H // Hk,
+        split,
+        NS,
+        scale,
+        kd.stride(0),
+        kd.stride(1),
+        kd.stride(2),
+        ks.stride(0),
+        ks.stride(1),
+        k_dec.stride(0),
+        k_dec.stride(1),
+        k_dec.stride(2),
+        HALF=half,
+        HALF_P=triton.next_power_of_2(half),
+        BLOCK_M=block_m,
+        BITS=quant.bits,
+        GRAN=_GRANULARITY[quant.granularity],
+    )
     # split-K combine: a log-sum-exp merge of the NS + 1 partial softmaxes of each row
     mx = m_part.amax(1, keepdim=True)  # [rows, 1]
     w = torch.exp(m_part - mx)  # [rows, NS + 1]

@@ -810,8 +810,9 @@ def _packed_context(B: int, Hk: int, T: int, D: int, dev: torch.device, dtype: t
     counts[:, ::16] = 2.0
     _, kq, ks = quantize_symmetric(k, valid, 4)
     _, vq, vs = quantize_symmetric(v, valid, 4)
-    quant = QuantizedKV(4, "token_head", pack_int4(kq).to(dev), pack_int4(vq).to(dev),
-                        ks.to(dev), vs.to(dev), D)  # fmt: skip
+    quant = QuantizedKV(
+        4, "token_head", pack_int4(kq).to(dev), pack_int4(vq).to(dev), ks.to(dev), vs.to(dev), D
+    )
     head_map = torch.arange(Hk, device=dev).expand(B, Hk).contiguous()
     return quant, head_map, counts.to(dev), valid.to(dev)
 
@@ -843,14 +844,16 @@ def _serving_kernel(ctx: SimpleNamespace, T: int, B: int) -> list[dict]:
     if dev.type == "cuda":
 
         def packed() -> torch.Tensor:
-            return decode_attention(q, quant, head_map, counts, valid, k_dec, v_dec,
-                                    backend="triton", bias=bias)  # fmt: skip
+            return decode_attention(
+                q, quant, head_map, counts, valid, k_dec, v_dec, backend="triton", bias=bias
+            )
     else:
         from unicache_train.kernels.decode_attention import decode_attention_triton
 
         def packed() -> torch.Tensor:
-            return decode_attention_triton(q, quant, head_map, counts, valid, k_dec, v_dec,
-                                           bias=bias, split_size=32)  # fmt: skip
+            return decode_attention_triton(
+                q, quant, head_map, counts, valid, k_dec, v_dec, bias=bias, split_size=32
+            )
 
     def reference() -> torch.Tensor:
         return decode_attention_reference(q, quant, head_map, counts, valid, k_dec, v_dec)
@@ -871,14 +874,24 @@ def _serving_kernel(ctx: SimpleNamespace, T: int, B: int) -> list[dict]:
     print(f"  serving kernel T={T} B={B}", flush=True)
     with torch.no_grad():
         time_cases(cases, dev, s.warmup, s.repeats, s.inner)
-    head = {"kind": "kernel", "context": str(T), "batch_size": str(B), "heads": str(H),
-            "kv_heads": str(Hk), "head_dim": str(D),
-            "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+    head = {
+        "kind": "kernel",
+        "context": str(T),
+        "batch_size": str(B),
+        "heads": str(H),
+        "kv_heads": str(Hk),
+        "head_dim": str(D),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
     rows = []
     for c in cases:
-        row = {**head, "case": c.name, "note": c.note,
-               "kv_mib": _fmt(plain_mib if c.name == "plain_sdpa" else packed_mib, 4),
-               **_timing_row(c, cases[0], "ratio_vs_plain")}  # fmt: skip
+        row = {
+            **head,
+            "case": c.name,
+            "note": c.note,
+            "kv_mib": _fmt(plain_mib if c.name == "plain_sdpa" else packed_mib, 4),
+            **_timing_row(c, cases[0], "ratio_vs_plain"),
+        }
         if c.name == "packed_triton" and row["status"] == "ok" and not diff <= 2e-2:
             row.update(status="error", error=f"kernel differs from the reference: {diff}")
         rows.append(row)
@@ -902,9 +915,15 @@ def _serving_generate(ctx: SimpleNamespace) -> list[dict]:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=256)  # fmt: skip
+        cfg = LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
         src = work / "tiny"
         LlamaForCausalLM(cfg).save_pretrained(src)
         tok = None
@@ -916,10 +935,11 @@ def _serving_generate(ctx: SimpleNamespace) -> list[dict]:
     export = export_base(work / "export", src)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     models = {
-        name: AutoModelForCausalLM.from_pretrained(export, attn_implementation=attn,
-                                                   dtype=dtype).to(dev).eval()
+        name: AutoModelForCausalLM.from_pretrained(export, attn_implementation=attn, dtype=dtype)
+        .to(dev)
+        .eval()
         for name, attn in (("plain", "sdpa"), ("compressed", ATTN_IMPLEMENTATION))
-    }  # fmt: skip
+    }
     rows = []
     for B in s.serving_batches:
         if tok is None:
@@ -930,27 +950,44 @@ def _serving_generate(ctx: SimpleNamespace) -> list[dict]:
 
         def gen(name: str, ids: torch.Tensor = ids) -> Callable[[], None]:
             def step() -> None:
-                cache = DynamicCache() if name == "plain" else CompressedCache.from_pretrained(
-                    export, decode_path="packed")  # fmt: skip
+                cache = (
+                    DynamicCache()
+                    if name == "plain"
+                    else CompressedCache.from_pretrained(export, decode_path="packed")
+                )
                 with torch.no_grad():
-                    models[name].generate(ids, attention_mask=torch.ones_like(ids),
-                                          **{CACHE_ARGUMENT: cache},
-                                          max_new_tokens=s.serving_new_tokens,
-                                          min_new_tokens=s.serving_new_tokens, do_sample=False,
-                                          pad_token_id=0)  # fmt: skip
+                    models[name].generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        **{CACHE_ARGUMENT: cache},
+                        max_new_tokens=s.serving_new_tokens,
+                        min_new_tokens=s.serving_new_tokens,
+                        do_sample=False,
+                        pad_token_id=0,
+                    )
 
             return step
 
-        cases = [Timed("plain_dynamic_cache", gen("plain")),
-                 Timed("compressed_packed", gen("compressed"))]  # fmt: skip
+        cases = [
+            Timed("plain_dynamic_cache", gen("plain")),
+            Timed("compressed_packed", gen("compressed")),
+        ]
         print(f"  serving generate P={s.serving_prompt} B={B}", flush=True)
         time_cases(cases, dev, min(s.warmup, 1), max(s.repeats // 2, 1), 1)
-        head = {"kind": "generate", "context": str(s.serving_prompt), "batch_size": str(B),
-                "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+        head = {
+            "kind": "generate",
+            "context": str(s.serving_prompt),
+            "batch_size": str(B),
+            "dtype": str(dtype).removeprefix("torch."),
+        }
         for c in cases:
             note = f"prefill + {s.serving_new_tokens} new tokens per generate()"
-            row = {**head, "case": c.name, **_timing_row(c, cases[0], "ratio_vs_plain"),
-                   "note": note}  # fmt: skip
+            row = {
+                **head,
+                "case": c.name,
+                **_timing_row(c, cases[0], "ratio_vs_plain"),
+                "note": note,
+            }
             if row["status"] == "ok":
                 row["tokens_per_s"] = _fmt(B * s.serving_new_tokens / (c.median / 1e3), 1)
             rows.append(row)

@@ -99,9 +99,18 @@ def test_cache_attend_equals_reference_path_over_many_steps(path, bits):
     first 64 slots) == update + attention_bias + SDPA, step after step; the held decoded
     tokens and the byte counts agree too."""
     quant, head_map, counts, valid = make_segment(bits=bits, M=21, D=16)
-    seg = StoredSegment(head_map=head_map, groups=torch.tensor([3, 2]), quant=quant, keys=None,
-                        values=None, counts=counts, valid=valid, key_dim=16, value_dim=16,
-                        context_tokens=torch.tensor([30, 30]))  # fmt: skip
+    seg = StoredSegment(
+        head_map=head_map,
+        groups=torch.tensor([3, 2]),
+        quant=quant,
+        keys=None,
+        values=None,
+        counts=counts,
+        valid=valid,
+        key_dim=16,
+        value_dim=16,
+        context_tokens=torch.tensor([30, 30]),
+    )
     fast = CompressedKVCache(1, decode_path=path)
     ref = CompressedKVCache(1, decode_path="reference")
     packed = CompressedKVCache(1, decode_path="packed")  # the working-bytes yardstick

@@ -49,10 +49,17 @@ def test_policy_off_equals_plain_transformers(tmp_path):
     ids = torch.zeros(len(prompts), P, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, p in enumerate(prompts):
-        ids[b, P - len(p):] = p
-        mask[b, P - len(p):] = 1
-    ref = hf.generate(ids, attention_mask=mask, max_new_tokens=ce.NEW, do_sample=False,
-                      output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        ids[b, P - len(p) :] = p
+        mask[b, P - len(p) :] = 1
+    ref = hf.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=ce.NEW,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     assert torch.equal(ref.sequences[:, P:], tok)
     torch.testing.assert_close(torch.stack(ref.logits, 1), logits, atol=1e-4, rtol=0)
 
@@ -89,10 +96,16 @@ def test_serving_side_imports_no_lightning():
 # The oldest transformers we support, in its own environment (`make tf-lower`; the kvpress one
 # pins the same version).
 _LOWER = next(
-    (p for p in (ROOT / ".venv-tf-lower" / "bin" / "python", ROOT / ".venv-kvpress" / "bin" /
-                 "python") if p.exists()),
+    (
+        p
+        for p in (
+            ROOT / ".venv-tf-lower" / "bin" / "python",
+            ROOT / ".venv-kvpress" / "bin" / "python",
+        )
+        if p.exists()
+    ),
     None,
-)  # fmt: skip
+)
 
 
 @pytest.mark.skipif(_LOWER is None, reason="no lower-bound transformers env (make tf-lower)")
@@ -100,14 +113,19 @@ def test_lower_bound_transformers(tmp_path):
     """transformers 5.2 runs the same exactness check (this package on PYTHONPATH)."""
     version = subprocess.run(
         [str(_LOWER), "-c", "import transformers; print(transformers.__version__)"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert version.startswith("5.2"), version
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [str(_LOWER), str(ROOT / "tests" / "cache_exactness.py"), "--out", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count(": ok ") == 3, proc.stdout
 
@@ -119,8 +137,19 @@ def test_cli_generate_from_export(tmp_path, capsys):
 
     out = ce.export(tmp_path, "llama", "unicache_int8")
     prompt = "the cat sat on the mat and looked at the dog for a long while. " * 2
-    main(["generate", "--export", str(out), "--compressed", "true", "--prompt", prompt,
-          "--max_new_tokens", "5"])  # fmt: skip
+    main(
+        [
+            "generate",
+            "--export",
+            str(out),
+            "--compressed",
+            "true",
+            "--prompt",
+            prompt,
+            "--max_new_tokens",
+            "5",
+        ]
+    )
     cap = capsys.readouterr()
     assert cap.out.startswith(prompt)
     pattern = r"compressed \((\w+)\): ([\d,]+) bytes \(uncompressed 16-bit: ([\d,]+);"
@@ -129,8 +158,9 @@ def test_cli_generate_from_export(tmp_path, capsys):
     assert 0 < int(stored.replace(",", "")) < int(baseline.replace(",", "")) / 1.5
     main(["generate", "--export", str(out), "--prompt", prompt, "--max_new_tokens", "5"])
     plain = capsys.readouterr()
-    stored, baseline = re.search(r"uncompressed: ([\d,]+) bytes \(uncompressed 16-bit: ([\d,]+);",
-                                 plain.err).groups()  # fmt: skip
+    stored, baseline = re.search(
+        r"uncompressed: ([\d,]+) bytes \(uncompressed 16-bit: ([\d,]+);", plain.err
+    ).groups()
     assert stored == baseline and "1.00x fewer" in plain.err
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "x"])
@@ -170,11 +200,16 @@ def test_second_generate_is_refused_until_reset(tmp_path):
 def test_beam_search_and_chunked_prefill_keep_clear_errors(tmp_path):
     out, model, ids, kw = _tiny_generate_setup(tmp_path)
     with pytest.raises(NotImplementedError, match="does not support beam search"):
-        model.generate(ids, **{CACHE_ARGUMENT: CompressedCache.from_pretrained(out)},
-                       num_beams=2, **kw)  # fmt: skip
+        model.generate(
+            ids, **{CACHE_ARGUMENT: CompressedCache.from_pretrained(out)}, num_beams=2, **kw
+        )
     with pytest.raises(NotImplementedError, match="does not support chunked prefill"):
-        model.generate(ids, **{CACHE_ARGUMENT: CompressedCache.from_pretrained(out)},
-                       prefill_chunk_size=8, **kw)  # fmt: skip
+        model.generate(
+            ids,
+            **{CACHE_ARGUMENT: CompressedCache.from_pretrained(out)},
+            prefill_chunk_size=8,
+            **kw,
+        )
 
 
 def test_decode_paths_give_the_reference_tokens(tmp_path):
@@ -186,8 +221,9 @@ def test_decode_paths_give_the_reference_tokens(tmp_path):
     runs = {}
     for path in ("reference", "packed", "int8", "buffer"):
         cache = CompressedCache.from_pretrained(out, decode_path=path)
-        res = model.generate(ids, **{CACHE_ARGUMENT: cache}, output_logits=True,
-                             return_dict_in_generate=True, **kw)  # fmt: skip
+        res = model.generate(
+            ids, **{CACHE_ARGUMENT: cache}, output_logits=True, return_dict_in_generate=True, **kw
+        )
         runs[path] = (res.sequences, torch.stack(res.logits, 1), cache)
     seq_r, log_r, c_r = runs["reference"]
     for path in ("packed", "int8", "buffer"):
@@ -196,8 +232,10 @@ def test_decode_paths_give_the_reference_tokens(tmp_path):
         torch.testing.assert_close(log, log_r, atol=1e-4, rtol=0)
         assert c.kv_bytes() == c_r.kv_bytes() and c.decoded_bytes() == c_r.decoded_bytes()
     assert c_r.working_bytes() == 0
-    dequantized = sum(2 * 4 * seg.head_map.numel() * seg.valid.shape[1] * seg.quant.head_dim
-                      for seg in runs["buffer"][2].inner.segments)  # fmt: skip
+    dequantized = sum(
+        2 * 4 * seg.head_map.numel() * seg.valid.shape[1] * seg.quant.head_dim
+        for seg in runs["buffer"][2].inner.segments
+    )
     assert runs["buffer"][2].working_bytes() - runs["packed"][2].working_bytes() == dequantized
     # int8 policy: the int8 path reads the stored rows as they are (no copy)
     assert runs["int8"][2].working_bytes() == runs["packed"][2].working_bytes()
@@ -208,8 +246,13 @@ def test_unpadded_prompt_takes_the_causal_kernel_exactly(tmp_path):
     with no policy, stock generate through the cache == transformers' own SDPA model."""
     out = ce.export(tmp_path, "llama", "off")
     ids = torch.randint(3, 50, (1, 23), generator=torch.Generator().manual_seed(1))
-    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
-              return_dict_in_generate=True)  # fmt: skip
+    kw = dict(
+        max_new_tokens=4,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     ours = transformers.AutoModelForCausalLM.from_pretrained(
         out, attn_implementation=ATTN_IMPLEMENTATION
     ).eval()
@@ -217,5 +260,6 @@ def test_unpadded_prompt_takes_the_causal_kernel_exactly(tmp_path):
     a = ours.generate(ids, **{CACHE_ARGUMENT: CompressedCache.from_pretrained(out)}, **kw)
     b = ref.generate(ids, **kw)
     assert torch.equal(a.sequences, b.sequences)
-    torch.testing.assert_close(torch.stack(a.logits, 1), torch.stack(b.logits, 1), atol=1e-5,
-                               rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        torch.stack(a.logits, 1), torch.stack(b.logits, 1), atol=1e-5, rtol=0
+    )

@@ -240,9 +240,11 @@ class CompressedCache(Cache):
     def reset(self) -> None:
         """Forget everything (a new prompt)."""
         self.inner = CompressedKVCache(
-            self.num_layers, self.cache_dtype_bytes, decode_path=self.decode_path,
+            self.num_layers,
+            self.cache_dtype_bytes,
+            decode_path=self.decode_path,
             backend=self.backend,
-        )  # fmt: skip
+        )
         self._seen = [0] * self.num_layers
         self._prefill: dict[int, dict[str, Any]] = {}
         self._inputs: dict[int, CompressionInput] = {}
@@ -250,8 +252,11 @@ class CompressedCache(Cache):
         self._forwards: int | None = None  # forwards since generate() started (None: unmarked)
 
     def _has_decoded(self) -> bool:
-        return any(self.inner.num_decoded(i) for i in range(self.num_layers)
-                   if self.inner.segments[i] is not None)  # fmt: skip
+        return any(
+            self.inner.num_decoded(i)
+            for i in range(self.num_layers)
+            if self.inner.segments[i] is not None
+        )
 
     def _refuse_reuse(self) -> None:
         if self._has_decoded():
@@ -322,9 +327,7 @@ class CompressedCache(Cache):
         return k, v
 
     # --------------------------------------------------------------------- compression
-    def _compress_prefill(
-        self, layer_idx: int, q: torch.Tensor, valid: torch.Tensor
-    ) -> None:
+    def _compress_prefill(self, layer_idx: int, q: torch.Tensor, valid: torch.Tensor) -> None:
         """Compress one layer's prompt K/V (or record it, for a cross-layer compressor).
 
         q: [B, H, P, D] post-RoPE queries; valid: [B, P] bool, real (non-padding) tokens.
@@ -487,8 +490,14 @@ def compressed_attention(
         # NOTE: no padding: SDPA's causal kernel (block skipping, no [T, S] mask). With an
         # explicit mask the CPU prefill of a 2k-token prompt spent as long in attention as in
         # all the linear layers.
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                             enable_gqa=query.shape[1] != key.shape[1])  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
         out = out.transpose(1, 2).contiguous()
     else:
         qi = torch.arange(T, device=query.device)[:, None] + (S - T)

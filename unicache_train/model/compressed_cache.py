@@ -148,9 +148,16 @@ class StoredSegment:
             k_data, k_scale = take(q.k_data), take(q.k_scale)
             v_data, v_scale = take(q.v_data), take(q.v_scale)
             quant = QuantizedKV(
-                q.bits, q.granularity, k_data, v_data, k_scale, v_scale, q.head_dim, q.value_dim,
+                q.bits,
+                q.granularity,
+                k_data,
+                v_data,
+                k_scale,
+                v_scale,
+                q.head_dim,
+                q.value_dim,
                 latent=q.latent,
-            )  # fmt: skip
+            )
         elif seg.latent:  # MLA: one latent; the values are a view of its first features
             keys = take(seg.keys.detach())
             values = keys[..., :dv]
@@ -216,9 +223,15 @@ class StoredSegment:
         else:
             dk = dv = 0  # low-rank: the factors carry their widths
         stored = stored_kv_bytes(
-            self.valid, self.groups, dk, dv, quant=self.quant, lowrank=self.lowrank,
-            latent=self.latent, dtype_bytes=cache_dtype_bytes,
-        )  # fmt: skip
+            self.valid,
+            self.groups,
+            dk,
+            dv,
+            quant=self.quant,
+            lowrank=self.lowrank,
+            latent=self.latent,
+            dtype_bytes=cache_dtype_bytes,
+        )
         return int(stored.sum().item())
 
     def metadata_bytes(self) -> int:
@@ -365,8 +378,7 @@ class CompressedKVCache(KVCache):
             held = self.keys[layer_idx]
             self.keys[layer_idx] = k_dec = k if held is None else torch.cat([held, k], 2)
             k_seg, v_seg = self._segment(layer_idx).kv(k.dtype)  # [B, 1, M, R + Dr], [.., R]
-            return (torch.cat([k_seg, k_dec], 2),
-                    torch.cat([v_seg, k_dec[..., : v.shape[-1]]], 2))  # fmt: skip
+            return (torch.cat([k_seg, k_dec], 2), torch.cat([v_seg, k_dec[..., : v.shape[-1]]], 2))
         W = self.windows[layer_idx]
         held = self.keys[layer_idx]
         if W is not None and held is not None:
@@ -448,9 +460,13 @@ class CompressedKVCache(KVCache):
             k_all, v_all = self.update(layer_idx, k, v)  # [B, Hk, M + S, D]
             bias = self.attention_bias(layer_idx, q.shape[2], q.dtype)
             return F.scaled_dot_product_attention(
-                q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=bias, scale=scale,
+                q,
+                k_all.to(q.dtype),
+                v_all.to(q.dtype),
+                attn_mask=bias,
+                scale=scale,
                 enable_gqa=True,
-            )  # fmt: skip
+            )
         seg = self._segment(layer_idx)
         work = self._work[layer_idx]
         if work is None:
@@ -461,16 +477,25 @@ class CompressedKVCache(KVCache):
         k_dec, v_dec = self._append(layer_idx, work, k, v)  # [B, Hk, S, D] views
         if work["path"] in ("packed", "int8"):
             return decode_attention(
-                q, work["quant"], seg.head_map, seg.counts, seg.valid, k_dec, v_dec, scale,
-                backend=self.backend, bias=work["bias"],
-            )  # fmt: skip
+                q,
+                work["quant"],
+                seg.head_map,
+                seg.counts,
+                seg.valid,
+                k_dec,
+                v_dec,
+                scale,
+                backend=self.backend,
+                bias=work["bias"],
+            )
         # "buffer": the segment was dequantized once, the decoded tokens follow it in place.
         M, S, T = int(work["m"]), k_dec.shape[2], q.shape[2]
         if T == 1:  # one query sees every held token: the bias is a prefix of a kept row
             row = work.get("row")
             if row is None or row.shape[-1] < M + S:
-                row = torch.zeros(q.shape[0], 1, 1, work["k"].shape[2], dtype=q.dtype,
-                                  device=q.device)  # fmt: skip
+                row = torch.zeros(
+                    q.shape[0], 1, 1, work["k"].shape[2], dtype=q.dtype, device=q.device
+                )
                 row[:, 0, 0, :M] = work["bias"].to(q.dtype)
                 work["row"] = row
             bias = row[..., : M + S]  # [B, 1, 1, M + S]
@@ -479,11 +504,17 @@ class CompressedKVCache(KVCache):
             causal = torch.arange(S, device=q.device)[None, :] <= n  # [T, S]
             dec = torch.zeros(T, S, dtype=q.dtype, device=q.device)
             dec = dec.masked_fill(~causal, -torch.inf)
-            bias = torch.cat([work["bias"].to(q.dtype)[:, None, None, :].expand(-1, 1, T, -1),
-                              dec.expand(q.shape[0], 1, T, S)], -1)  # fmt: skip
+            bias = torch.cat(
+                [
+                    work["bias"].to(q.dtype)[:, None, None, :].expand(-1, 1, T, -1),
+                    dec.expand(q.shape[0], 1, T, S),
+                ],
+                -1,
+            )
         kb, vb = work["k"][:, :, : M + S], work["v"][:, :, : M + S]
-        return F.scaled_dot_product_attention(q, kb, vb, attn_mask=bias, scale=scale,
-                                              enable_gqa=True)  # fmt: skip
+        return F.scaled_dot_product_attention(
+            q, kb, vb, attn_mask=bias, scale=scale, enable_gqa=True
+        )
 
     def _start(self, seg: StoredSegment, k: torch.Tensor, path: str) -> dict:
         """A layer's working state at its first decode call: the segment bias and, for the
@@ -493,12 +524,21 @@ class CompressedKVCache(KVCache):
         assert quant is not None
         if path == "int8" and quant.bits == 4:  # the one unpacking of this layer
             quant = dataclasses.replace(
-                quant, bits=8, k_data=_int4_rows(quant.k_data, quant.head_dim),
+                quant,
+                bits=8,
+                k_data=_int4_rows(quant.k_data, quant.head_dim),
                 v_data=_int4_rows(quant.v_data, quant.head_dim),
-            )  # fmt: skip
+            )
         if path != "buffer":
-            return {"bias": bias, "m": 0, "k": None, "v": None, "n": 0, "path": path,
-                    "quant": quant}  # fmt: skip
+            return {
+                "bias": bias,
+                "m": 0,
+                "k": None,
+                "v": None,
+                "n": 0,
+                "path": path,
+                "quant": quant,
+            }
         k_seg, v_seg = seg.kv(k.dtype)  # [B, Hk, M, D]: the one dequantization of this layer
         M = k_seg.shape[2]
         kb = k.new_empty(*k_seg.shape[:2], M + 64, k_seg.shape[3])

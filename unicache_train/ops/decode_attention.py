@@ -273,11 +273,13 @@ def decode_attention(
     if backend == "torch":
         return decode_attention_reference(q, quant, head_map, counts, valid, k_dec, v_dec, scale)
     if backend == "packed":
-        return decode_attention_packed(q, quant, head_map, counts, valid, k_dec, v_dec, scale,
-                                      bias=bias)  # fmt: skip
+        return decode_attention_packed(
+            q, quant, head_map, counts, valid, k_dec, v_dec, scale, bias=bias
+        )
     if not q.is_cuda:
         raise RuntimeError("decode_attention(backend='triton') needs CUDA tensors")
     from unicache_train.kernels.decode_attention import decode_attention_triton
 
-    return decode_attention_triton(q, quant, head_map, counts, valid, k_dec, v_dec, scale,
-                                   bias=bias)  # fmt: skip
+    return decode_attention_triton(
+        q, quant, head_map, counts, valid, k_dec, v_dec, scale, bias=bias
+    )
