@@ -117,26 +117,37 @@ def main(argv: list[str] | None = None) -> int:
     row = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "load1_before": round(load0, 2), "load1_after": round(load1, 2),
-        "threads": args.threads, "setting": f"unicache int4 rate {args.rate}",
+        "load1_before": round(load0, 2),
+        "load1_after": round(load1, 2),
+        "threads": args.threads,
+        "setting": f"unicache int4 rate {args.rate}",
         "kv_reduction": round(new.kv_reduction, 3),
-        "n_previous": args.n_old, "previous_wall_s": round(old_w, 1),
-        "previous_cpu_s": round(old_c, 1), "n_batched": args.n,
-        "batched_wall_s": round(new_w, 1), "batched_cpu_s": round(new_c, 1),
+        "n_previous": args.n_old,
+        "previous_wall_s": round(old_w, 1),
+        "previous_cpu_s": round(old_c, 1),
+        "n_batched": args.n,
+        "batched_wall_s": round(new_w, 1),
+        "batched_cpu_s": round(new_c, 1),
         "speedup_wall": round((old_w / args.n_old) / (new_w / args.n), 2),
         "speedup_cpu": round((old_c / args.n_old) / (new_c / args.n), 2),
         "batched_wall_s_per_200": round(new_w / args.n * 200, 1),
-        "same_predictions": same, "accuracy": round(new.accuracy, 4),
-    }  # fmt: skip
+        "same_predictions": same,
+        "accuracy": round(new.accuracy, 4),
+    }
     print("\n".join(f"{k:>24}: {v}" for k, v in row.items()))
     wall = row["batched_wall_s_per_200"]
-    print(f"target: 200 prompts in <= {TARGET_S:.0f} s on 2 cores: wall {wall} s at this load: "
-          + ("met" if wall <= TARGET_S else "missed"))  # fmt: skip
+    print(
+        f"target: 200 prompts in <= {TARGET_S:.0f} s on 2 cores: wall {wall} s at this load: "
+        + ("met" if wall <= TARGET_S else "missed")
+    )
     if args.threads == 1:
         # One thread's CPU time is its wall time on an idle core: the figure a quiet machine gives.
         cpu = round(new_c / args.n * 200, 1)
-        print(f"  one thread, CPU time per 200 prompts: {cpu} s: "
-              + ("met" if cpu <= TARGET_S else "missed") + " on an idle core")  # fmt: skip
+        print(
+            f"  one thread, CPU time per 200 prompts: {cpu} s: "
+            + ("met" if cpu <= TARGET_S else "missed")
+            + " on an idle core"
+        )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     new_file = not RESULTS.is_file()
     with RESULTS.open("a", newline="") as f:

@@ -79,8 +79,12 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 # xkv: cross-layer SVD (groups of 2); unicache+xkv: UniCache token selection at
 # study.xkv_token_rate (head merging and quantization off, as in training), then xKV on the kept
 # entries with its reduction calibrated so that the two together reach the target
-_UNICACHE_QUANT = {"unicache": "int8", "unicache_span": "int8", "unicache_q4": "int4",
-                   "unicache_q4_ch": "int4"}  # fmt: skip
+_UNICACHE_QUANT = {
+    "unicache": "int8",
+    "unicache_span": "int8",
+    "unicache_q4": "int4",
+    "unicache_q4_ch": "int4",
+}
 _GRANULARITY = {"unicache_q4_ch": "channel"}  # else the default, one scale per (token, head)
 METHODS = (*_UNICACHE_QUANT, "xkv", "unicache+xkv")
 
@@ -144,9 +148,15 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
                 r_x = max(r_x * red / got, 1.01)
             xcfg, _ = make_joint(r_x)
             got = measured_reduction(model, calib_ids, calib_split, make_joint(r_x)[1])
-            out.append(Setting("unicache+xkv", red, rate,
-                               lambda x=xcfg, t=tcfg: XKVCompressor(
-                                   x, token_compressor=UniCacheCompressor(t)), got))  # fmt: skip
+            out.append(
+                Setting(
+                    "unicache+xkv",
+                    red,
+                    rate,
+                    lambda x=xcfg, t=tcfg: XKVCompressor(x, token_compressor=UniCacheCompressor(t)),
+                    got,
+                )
+            )
         s = out[-1]
         print(f"  {spec}: rate {s.rate:.3f}, calibrated reduction {got:.2f}x", flush=True)
     return out
@@ -181,13 +191,22 @@ def evaluate(
             )
             if out is not None:
                 write_predictions(r.rows, out / "predictions" / f"{cell}__{task.name}.jsonl")
-            rows.append({
-                "model": name, "method": s.method, "target_reduction": s.target,
-                "rate": s.rate, "kv_reduction": r.kv_reduction, "task": task.name,
-                "recall": r.accuracy, "recall_se": r.stderr, "n": r.n,
-                "ppl": text.perplexity, "ppl_se": text.ppl_stderr,
-                "ppl_delta": text.perplexity / ppl0 - 1.0 if ppl0 else math.nan,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "model": name,
+                    "method": s.method,
+                    "target_reduction": s.target,
+                    "rate": s.rate,
+                    "kv_reduction": r.kv_reduction,
+                    "task": task.name,
+                    "recall": r.accuracy,
+                    "recall_se": r.stderr,
+                    "n": r.n,
+                    "ppl": text.perplexity,
+                    "ppl_se": text.ppl_stderr,
+                    "ppl_delta": text.perplexity / ppl0 - 1.0 if ppl0 else math.nan,
+                }
+            )
             log(_fmt_row(rows[-1]) + f"   ({time.time() - t0:.0f}s)")
     return rows
 
@@ -239,8 +258,13 @@ def finetune(
     trainer = fit(config)
     model = trainer.lightning_module.model.float().eval()
     export = out / kind / "export"
-    export_hf(model, export, family=family, compression_policy=policy_of(config.compress),
-              tokenizer_from=config.data.tokenizer)  # fmt: skip
+    export_hf(
+        model,
+        export,
+        family=family,
+        compression_policy=policy_of(config.compress),
+        tokenizer_from=config.data.tokenizer,
+    )
     return model, export
 
 
@@ -292,9 +316,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     tok = load_tokenizer(str(ckpt_dir))
     tasks = [RecallTask(**t) for t in study["tasks"]]
     fetch_eval_text()  # the held-out-by-source prose (a no-op once it is in the cache)
-    blocks = text_blocks(
-        tok, eval_documents(), int(study["text_block"]), int(study["text_blocks"])
-    )
+    blocks = text_blocks(tok, eval_documents(), int(study["text_block"]), int(study["text_blocks"]))
     ctx = int(study["text_context"])
     calib = blocks[:2]
     split = torch.full((calib.shape[0],), ctx, dtype=torch.long)
@@ -324,8 +346,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         log(f"[{time.time() - t_start:.0f}s] fine-tuning: {kind}")
         ft_model, export = finetune(kind, ckpt_dir, run, study, ft_cfg, out, family)
         log(f"[{time.time() - t_start:.0f}s] exported {export}")
-        rows += evaluate(ft_model, tok, f"{kind} fine-tune", settings, tasks, study, blocks, log,
-                         out)  # fmt: skip
+        rows += evaluate(
+            ft_model, tok, f"{kind} fine-tune", settings, tasks, study, blocks, log, out
+        )
         write_results(rows, out, header)
         del ft_model
     log(f"[{time.time() - t_start:.0f}s] done; results in {out}/results.csv, .md, .png")

@@ -149,8 +149,14 @@ def test_csv_and_png_outputs(rows_and_logger, tmp_path: Path) -> None:
 
 def _row(acc: float, acc_plain: float, ppl: float, attn_kl: float) -> dict:
     """A row at rate 0.6, int8, against an uncompressed perplexity of 10."""
-    q = Quality(ppl=ppl, recall_acc=acc, attn_kl=attn_kl, output_kl=0.01, kv_reduction=4.2,
-                rate_realized=0.6)  # fmt: skip
+    q = Quality(
+        ppl=ppl,
+        recall_acc=acc,
+        attn_kl=attn_kl,
+        output_kl=0.01,
+        kv_reduction=4.2,
+        rate_realized=0.6,
+    )
     return quality_row(Setting("r", "unicache", 0.6, 8), q, Quality(ppl=10.0, recall_acc=acc_plain))
 
 
@@ -260,9 +266,15 @@ def test_attn_kl_under_qk_norm_equals_kl_of_the_forwards_own_attention(monkeypat
 
     torch.manual_seed(0)
     model = Decoder(
-        ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, qk_norm=True)
-    ).eval()  # fmt: skip
+        ModelConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            qk_norm=True,
+        )
+    ).eval()
     with torch.no_grad():  # gains far from 1: the norms change the logits a lot
         for layer in model.layers:
             layer.self_attn.q_norm.weight.uniform_(0.5, 3.0)
@@ -272,10 +284,12 @@ def test_attn_kl_under_qk_norm_equals_kl_of_the_forwards_own_attention(monkeypat
     split = torch.tensor([22, 30])
     batch = {"input_ids": ids, "labels": torch.roll(ids, -1, 1), "split": split}
     base = text_style_baseline()
-    opts = CompressionEvalConfig(rates=[0.6], quantize="none", num_recall=0, limit_batches=1,
-                                 attn_kl_layers=2)  # fmt: skip
-    got = evaluate_compression(model, load_tokenizer("byte"), tiny_data(), base, opts,
-                               loader=[batch])[1]["attn_kl"]  # fmt: skip
+    opts = CompressionEvalConfig(
+        rates=[0.6], quantize="none", num_recall=0, limit_batches=1, attn_kl_layers=2
+    )
+    got = evaluate_compression(
+        model, load_tokenizer("byte"), tiny_data(), base, opts, loader=[batch]
+    )[1]["attn_kl"]
 
     # Independent reference: what SDPA received (one batched masked call per layer).
     monkeypatch.setattr(attn_mod, "SEGMENT_ATTENTION", "batched")
@@ -364,8 +378,9 @@ def test_capped_rate_reports_realized_rate_and_shortfall_and_warns_once() -> Non
         assert float(st["budget_shortfall"]) > 0.2
 
     base = preset("default")
-    opts = CompressionEvalConfig(rates=[0.9], quantize="none", num_recall=0, limit_batches=1,
-                                 batch_size=4)  # fmt: skip
+    opts = CompressionEvalConfig(
+        rates=[0.9], quantize="none", num_recall=0, limit_batches=1, batch_size=4
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rows = evaluate_compression(model, load_tokenizer("byte"), tiny_data(), base, opts)
@@ -389,14 +404,26 @@ def test_vlm_table_shows_the_realized_rate() -> None:
 
     torch.manual_seed(0)
     model = VisionLanguageModel(
-        ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2),
-        VisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
-                     num_hidden_layers=1, num_attention_heads=2),
-    )  # fmt: skip
+        ModelConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        VisionConfig(
+            image_size=32,
+            patch_size=8,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        ),
+    )
     scenes = SceneConfig(image_size=32, cell_size=8, max_shapes=3, max_describe=2)
-    opts = VLMEvalConfig(rates=[0.9], variants=["unicache"], num_per_task=1, batch_size=4,
-                         progress=False)  # fmt: skip
+    opts = VLMEvalConfig(
+        rates=[0.9], variants=["unicache"], num_per_task=1, batch_size=4, progress=False
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RateShortfallWarning)
         rows = evaluate_vlm(model, ByteTokenizer(), scenes, UniCacheConfig(), opts)
@@ -414,8 +441,9 @@ def test_finetune_recipe_table_recall_na_and_realized_rate() -> None:
     import importlib
 
     fc = importlib.import_module("recipes.finetune_compress")
-    unc = dict(ppl=10.0, recall_acc=0.0, kv_reduction=1.0, attn_kl=0.0, output_kl=0.0,
-               rate_realized=0.0)  # fmt: skip
+    unc = dict(
+        ppl=10.0, recall_acc=0.0, kv_reduction=1.0, attn_kl=0.0, output_kl=0.0, rate_realized=0.0
+    )
     ok = dict(unc, ppl=10.2, kv_reduction=1 / 0.3, attn_kl=0.05, rate_realized=0.4)
     bad = dict(ok, attn_kl=0.2)
     rows = fc.before_after([unc, ok], [unc, bad])

@@ -124,21 +124,34 @@ def test_format_p_never_prints_zero():
 def byte_model(seed: int = 0) -> Decoder:
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        vocab_size=259, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+        vocab_size=259,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return Decoder(cfg).eval()
 
 
 def _unicache(bits: int) -> UniCacheCompressor:
-    return UniCacheCompressor(UniCacheConfig.from_dict({
-        "target_rate": 0.3, "rate_scale": 1.0, "budget": {"enabled": False},
-        "quantize": {"enabled": True, "bits": bits},
-    }))  # fmt: skip
+    return UniCacheCompressor(
+        UniCacheConfig.from_dict(
+            {
+                "target_rate": 0.3,
+                "rate_scale": 1.0,
+                "budget": {"enabled": False},
+                "quantize": {"enabled": True, "bits": bits},
+            }
+        )
+    )
 
 
-@pytest.mark.parametrize("make", [IdentityCompressor, lambda: _unicache(8), lambda: _unicache(4)],
-                         ids=["uncompressed", "unicache_int8", "unicache_int4"])  # fmt: skip
+@pytest.mark.parametrize(
+    "make",
+    [IdentityCompressor, lambda: _unicache(8), lambda: _unicache(4)],
+    ids=["uncompressed", "unicache_int8", "unicache_int4"],
+)
 @torch.no_grad()
 def test_batched_recall_gives_the_predictions_and_bytes_of_one_prompt_at_a_time(make):
     # A trained-looking answer is not needed: a random model's greedy digits are as sensitive

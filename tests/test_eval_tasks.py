@@ -34,9 +34,13 @@ from unicache_train.validation import ConfigError
 def byte_model(seed: int = 0) -> Decoder:
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        vocab_size=259, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+        vocab_size=259,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return Decoder(cfg).eval()
 
 
@@ -58,9 +62,13 @@ def test_recall_records_are_deterministic_and_seed_dependent():
 
 @pytest.mark.parametrize(
     "kw, field",
-    [({"pairs": 0}, "pairs"), ({"pairs": 4, "distractors": 4}, "distractors"),
-     ({"value_digits": 13}, "value_digits"), ({"pairs": 2.5}, "pairs")],
-)  # fmt: skip
+    [
+        ({"pairs": 0}, "pairs"),
+        ({"pairs": 4, "distractors": 4}, "distractors"),
+        ({"value_digits": 13}, "value_digits"),
+        ({"pairs": 2.5}, "pairs"),
+    ],
+)
 def test_recall_task_rejects_bad_values_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=f"RecallTask.{field}="):
         RecallTask(**kw)
@@ -97,10 +105,14 @@ def test_recall_with_identity_equals_plain_greedy_decoding_on_ragged_questions()
 def test_recall_reports_the_bytes_of_the_compressed_cache():
     model, tok = byte_model(), ByteTokenizer()
     recs = recall_records(RecallTask(pairs=4, value_digits=2), 4, 1_000_009)
-    cfg = UniCacheConfig.from_dict({
-        "target_rate": 0.5, "rate_scale": 1.0, "budget": {"enabled": False},
-        "quantize": {"enabled": True, "bits": 8},
-    })  # fmt: skip
+    cfg = UniCacheConfig.from_dict(
+        {
+            "target_rate": 0.5,
+            "rate_scale": 1.0,
+            "budget": {"enabled": False},
+            "quantize": {"enabled": True, "bits": 8},
+        }
+    )
     r = run_recall(model, tok, recs, UniCacheCompressor(cfg), batch_size=2)
     assert r.kv_reduction > 2.5  # half the tokens, int8 (+ scales and metadata)
 
@@ -140,10 +152,16 @@ def test_rate_for_reduction_reaches_the_measured_bytes_target():
     split = torch.full((2,), 48)
 
     def make(rate):
-        return UniCacheCompressor(UniCacheConfig.from_dict({
-            "target_rate": rate, "rate_scale": 1.0, "budget": {"enabled": False},
-            "quantize": {"enabled": True, "bits": 8},
-        }))  # fmt: skip
+        return UniCacheCompressor(
+            UniCacheConfig.from_dict(
+                {
+                    "target_rate": rate,
+                    "rate_scale": 1.0,
+                    "budget": {"enabled": False},
+                    "quantize": {"enabled": True, "bits": 8},
+                }
+            )
+        )
 
     rate, got = rate_for_reduction(model, ids, split, make, 4.0)
     assert got >= 4.0 and 0.3 < rate < 0.9
@@ -166,9 +184,10 @@ def test_pool_scores_equals_a_loop_over_windows_within_each_modality():
                 assert got[b, t] == 0
                 continue
             win = [
-                float(s[b, j]) for j in range(max(0, t - k // 2), min(T, t + k // 2 + 1))
+                float(s[b, j])
+                for j in range(max(0, t - k // 2), min(T, t + k // 2 + 1))
                 if mask[b, j] and mod[b, j] == mod[b, t]
-            ]  # fmt: skip
+            ]
             assert float(got[b, t]) == pytest.approx(max(win))
 
 
@@ -237,12 +256,25 @@ def test_results_round_trip_through_csv_and_render(tmp_path):
     from unicache_train.eval.report import read_results, write_results
 
     rows = [
-        {"model": "base", "method": m, "target_reduction": t, "rate": r, "kv_reduction": k,
-         "task": "recall8", "recall": a, "recall_se": 0.05, "n": 32.0, "ppl": p,
-         "ppl_se": 0.1, "ppl_delta": d}
-        for m, t, r, k, a, p, d in [("none", 1.0, 0.0, 1.0, 0.4, 10.0, 0.0),
-                                    ("unicache", 4.0, 0.52, 4.04, 0.1, 12.0, 0.2)]
-    ]  # fmt: skip
+        {
+            "model": "base",
+            "method": m,
+            "target_reduction": t,
+            "rate": r,
+            "kv_reduction": k,
+            "task": "recall8",
+            "recall": a,
+            "recall_se": 0.05,
+            "n": 32.0,
+            "ppl": p,
+            "ppl_se": 0.1,
+            "ppl_delta": d,
+        }
+        for m, t, r, k, a, p, d in [
+            ("none", 1.0, 0.0, 1.0, 0.4, 10.0, 0.0),
+            ("unicache", 4.0, 0.52, 4.04, 0.1, 12.0, 0.2),
+        ]
+    ]
     write_results(rows, tmp_path, ["command: x"])
     assert (tmp_path / "results.csv").read_text().startswith("# command: x\n")
     assert read_results(tmp_path / "results.csv") == rows

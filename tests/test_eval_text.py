@@ -39,8 +39,9 @@ needs_text = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def training_texts(tmp_path_factory):
-    path = write_recall_mix(tmp_path_factory.mktemp("mix") / "mix.jsonl", TRAIN_TASKS, 300,
-                            seed=0, text_fraction=0.4)  # fmt: skip
+    path = write_recall_mix(
+        tmp_path_factory.mktemp("mix") / "mix.jsonl", TRAIN_TASKS, 300, seed=0, text_fraction=0.4
+    )
     return [json.loads(line)["text"] for line in path.read_text().splitlines()]
 
 
@@ -116,8 +117,9 @@ def test_sentence_and_colon_records_ask_the_same_keys_differently():
 
 
 def test_passkey_records_hide_one_key_at_varied_depths_in_the_prose():
-    docs = [f"Sentence {i} of the filler text is here. It goes on a while. " * 30
-            for i in range(20)]  # fmt: skip
+    docs = [
+        f"Sentence {i} of the filler text is here. It goes on a while. " * 30 for i in range(20)
+    ]
     recs = passkey_records(docs, 30, 1_000_005, context_chars=3000)
     assert recs == passkey_records(docs, 30, 1_000_005, context_chars=3000)
     for r in recs:

@@ -93,8 +93,10 @@ def test_prompts_refuse_training_seeds_and_carry_unique_ids(kb, tmp_path) -> Non
 
 
 def test_length_batches_group_equal_lengths_only_and_cover_every_prompt(kb) -> None:
-    enc = [([0] * c, [0] * q, a) for c, q, a in
-           [(5, 3, 2), (6, 3, 2), (5, 3, 2), (5, 4, 2), (5, 3, 2), (5, 3, 3)]]  # fmt: skip
+    enc = [
+        ([0] * c, [0] * q, a)
+        for c, q, a in [(5, 3, 2), (6, 3, 2), (5, 3, 2), (5, 4, 2), (5, 3, 2), (5, 3, 3)]
+    ]
     batches = kb.length_batches(enc, size=2)
     assert sorted(i for b in batches for i in b) == list(range(6))
     for b in batches:

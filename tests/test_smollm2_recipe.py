@@ -28,10 +28,14 @@ def recipe():
 
 @pytest.mark.parametrize(
     "spec, want",
-    [("unicache@4", ("unicache", 4.0)), ("unicache_q4@8", ("unicache_q4", 8.0)),
-     ("xkv@2.5", ("xkv", 2.5)), ("unicache_span@4", ("unicache_span", 4.0)),
-     ("unicache+xkv@8", ("unicache+xkv", 8.0))],
-)  # fmt: skip
+    [
+        ("unicache@4", ("unicache", 4.0)),
+        ("unicache_q4@8", ("unicache_q4", 8.0)),
+        ("xkv@2.5", ("xkv", 2.5)),
+        ("unicache_span@4", ("unicache_span", 4.0)),
+        ("unicache+xkv@8", ("unicache+xkv", 8.0)),
+    ],
+)
 def test_parse_setting(recipe, spec, want) -> None:
     assert recipe.parse_setting(spec) == want
 
@@ -48,10 +52,14 @@ def _tiny_model_and_batch():
     torch.manual_seed(0)
     model = Decoder(
         ModelConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=97,
         )
-    ).eval()  # fmt: skip
+    ).eval()
     return model, torch.randint(0, 97, (2, 96)), torch.tensor([80, 72])
 
 
@@ -94,20 +102,41 @@ def test_results_table_and_plot_take_kvpress_rows_and_several_tasks(tmp_path) ->
     from unicache_train.eval.report import read_results, write_results
 
     def row(model, method, red, task, recall, ppl):
-        return {"model": model, "method": method, "target_reduction": red, "rate": 0.0,
-                "kv_reduction": red, "task": task, "recall": recall, "recall_se": 0.05, "n": 32,
-                "ppl": ppl, "ppl_se": 1.0, "ppl_delta": ppl / 8.0 - 1.0}  # fmt: skip
+        return {
+            "model": model,
+            "method": method,
+            "target_reduction": red,
+            "rate": 0.0,
+            "kv_reduction": red,
+            "task": task,
+            "recall": recall,
+            "recall_se": 0.05,
+            "n": 32,
+            "ppl": ppl,
+            "ppl_se": 1.0,
+            "ppl_delta": ppl / 8.0 - 1.0,
+        }
 
-    press = kvpress_row({
-        "model": "ft", "press": "SnapKVPress", "compression_ratio": "0.75", "kv_reduction": "4",
-        "task": "recall8", "recall": "0.125", "recall_se": "0.058", "n": "32",
-    })  # fmt: skip
+    press = kvpress_row(
+        {
+            "model": "ft",
+            "press": "SnapKVPress",
+            "compression_ratio": "0.75",
+            "kv_reduction": "4",
+            "task": "recall8",
+            "recall": "0.125",
+            "recall_se": "0.058",
+            "n": "32",
+        }
+    )
     assert press["method"] == "kvpress:SnapKV" and press["kv_reduction"] == 4.0
     rows = [
-        row("ft", "none", 1.0, "recall8", 0.9, 8.0), row("ft", "none", 1.0, "recall16", 0.8, 8.0),
+        row("ft", "none", 1.0, "recall8", 0.9, 8.0),
+        row("ft", "none", 1.0, "recall16", 0.8, 8.0),
         row("ft", "unicache_q4", 4.0, "recall8", 0.8, 8.6),
-        row("ft", "unicache_q4", 4.0, "recall16", 0.7, 8.6), press,
-    ]  # fmt: skip
+        row("ft", "unicache_q4", 4.0, "recall16", 0.7, 8.6),
+        press,
+    ]
     write_results(rows, tmp_path, ["command: test"])
     md = (tmp_path / "results.md").read_text()
     # 4 of 32 with its 95% Wilson interval
@@ -128,15 +157,31 @@ def test_evaluate_writes_per_prompt_predictions_and_per_block_losses(recipe, tmp
     from unicache_train.seam import IdentityCompressor
 
     torch.manual_seed(0)
-    model = Decoder(ModelConfig(vocab_size=259, hidden_size=32, intermediate_size=48,
-                                num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2)).eval()  # fmt: skip
+    model = Decoder(
+        ModelConfig(
+            vocab_size=259,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).eval()
     tok = ByteTokenizer()
     blocks = text_blocks(tok, ["The quick brown fox jumps over the lazy dog. " * 8], 48, 3)
     study = {"num_recall": 3, "recall_seed": 1_000_003, "text_context": 32, "batch_size": 2}
     settings = [recipe.Setting("none", 1.0, 0.0, IdentityCompressor)]
-    rows = recipe.evaluate(model, tok, "base", settings, [RecallTask(3, value_digits=2)], study,
-                           blocks, lambda m: None, tmp_path)  # fmt: skip
+    rows = recipe.evaluate(
+        model,
+        tok,
+        "base",
+        settings,
+        [RecallTask(3, value_digits=2)],
+        study,
+        blocks,
+        lambda m: None,
+        tmp_path,
+    )
     pred = tmp_path / "predictions" / "base__none@1__recall3.jsonl"
     got = [json.loads(x) for x in pred.read_text().splitlines()]
     assert [r["id"] for r in got] == [f"recall3/1000003/{i}" for i in range(3)]

@@ -61,11 +61,30 @@ EVAL_SEED_FLOOR = 1_000_000  # unicache_train.data.recall_mix.EVAL_SEED_FLOOR
 SCALE_BYTES = 2  # one fp16 scale per (token, KV head) vector
 PRESSES = ("StreamingLLM", "SnapKV", "Knorm", "ExpectedAttention", "TOVA", "KeyDiff")
 CSV_COLUMNS = (
-    "model", "weights", "weights_sha256", "method", "press", "storage", "target_reduction",
-    "compression_ratio", "kv_reduction", "kept_fraction", "task", "hits", "n", "recall",
-    "recall_se", "reference_hits", "reference_disagree", "seconds", "s_per_prompt",
-    "predictions", "threads", "transformers", "kvpress",
-)  # fmt: skip
+    "model",
+    "weights",
+    "weights_sha256",
+    "method",
+    "press",
+    "storage",
+    "target_reduction",
+    "compression_ratio",
+    "kv_reduction",
+    "kept_fraction",
+    "task",
+    "hits",
+    "n",
+    "recall",
+    "recall_se",
+    "reference_hits",
+    "reference_disagree",
+    "seconds",
+    "s_per_prompt",
+    "predictions",
+    "threads",
+    "transformers",
+    "kvpress",
+)
 
 
 # ------------------------------------------------------------------------------ bytes and storage
@@ -211,14 +230,21 @@ def run_reference(args) -> None:
     t0 = time.time()
     res = run_recall(model, tok, recs, compressor, batch_size=1)
     rows = [
-        {"id": r["id"], "task": r["task"], "answer": r["answer"], "prediction": p,
-         "correct": p == r["answer"]}
+        {
+            "id": r["id"],
+            "task": r["task"],
+            "answer": r["answer"],
+            "prediction": p,
+            "correct": p == r["answer"],
+        }
         for r, p in zip(recs, res.predictions)
-    ]  # fmt: skip
+    ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out, rows)
-    print(f"ours ({args.quantize or 'uncompressed'}) on {args.model}: {res.hits}/{res.n} "
-          f"kv_reduction {res.kv_reduction:.3f}x ({time.time() - t0:.0f}s) -> {args.out}")  # fmt: skip
+    print(
+        f"ours ({args.quantize or 'uncompressed'}) on {args.model}: {res.hits}/{res.n} "
+        f"kv_reduction {res.kv_reduction:.3f}x ({time.time() - t0:.0f}s) -> {args.out}"
+    )
 
 
 # ------------------------------------------------------------------------------ kvpress half
@@ -294,8 +320,11 @@ class PressRunner:
         nxt = out.logits[:, -1].argmax(-1)  # [B]
         gen = [nxt]
         for i in range(n_ans - 1):
-            out = model(input_ids=nxt[:, None], past_key_values=cache,
-                        position_ids=torch.full((B, 1), P + Q + i))  # fmt: skip
+            out = model(
+                input_ids=nxt[:, None],
+                past_key_values=cache,
+                position_ids=torch.full((B, 1), P + Q + i),
+            )
             nxt = out.logits[:, -1].argmax(-1)
             gen.append(nxt)
         toks = torch.stack(gen, 1).tolist()  # [B, n_ans]
@@ -368,16 +397,24 @@ def run_presses(args) -> None:
             t0, base_b, stored_b, ctx_t, kept_t, rows = time.time(), 0, 0, 0, 0, {}
             for idx in batches:
                 preds, kept = runner.answer(
-                    [enc[i][0] for i in idx], [enc[i][1] for i in idx], enc[idx[0]][2], press,
+                    [enc[i][0] for i in idx],
+                    [enc[i][1] for i in idx],
+                    enc[idx[0]][2],
+                    press,
                     s.bits,
-                )  # fmt: skip
+                )
                 for i, pred in zip(idx, preds):
                     r, n_ctx = recs[i], len(enc[i][0])
                     b, st = runner.bytes_of(n_ctx, kept, s.bits)
                     base_b, stored_b = base_b + b, stored_b + st
                     ctx_t, kept_t = ctx_t + n_ctx * runner.layers, kept_t + kept
-                    rows[i] = {"id": r["id"], "task": r["task"], "answer": r["answer"],
-                               "prediction": pred, "correct": pred == r["answer"]}  # fmt: skip
+                    rows[i] = {
+                        "id": r["id"],
+                        "task": r["task"],
+                        "answer": r["answer"],
+                        "prediction": pred,
+                        "correct": pred == r["answer"],
+                    }
             rows = [rows[i] for i in range(len(recs))]
             secs = time.time() - t0
             jsonl = args.out_dir / f"kvpress_{args.name}_{s.name}.jsonl"
@@ -390,24 +427,42 @@ def run_presses(args) -> None:
                 if abs(ref_hits - hits) > 1:
                     failed.append(f"no-press {hits}/{n} vs our harness {ref_hits}/{n}")
             acc = hits / n
-            w.writerow({
-                "model": args.name, "weights": str(Path(args.model).resolve()),
-                "weights_sha256": sha, "method": s.method, "press": s.press or "none",
-                "storage": s.storage, "target_reduction": s.target or "",
-                "compression_ratio": f"{s.ratio(runner.head_dim):.4f}",
-                "kv_reduction": f"{base_b / stored_b:.4f}", "kept_fraction": f"{kept_t / ctx_t:.4f}",
-                "task": tasks[0], "hits": hits, "n": n, "recall": f"{acc:.4f}",
-                "recall_se": f"{math.sqrt(acc * (1 - acc) / n):.4f}", "reference_hits": ref_hits,
-                "reference_disagree": ref_dis, "seconds": f"{secs:.1f}",
-                "s_per_prompt": f"{secs / n:.3f}", "predictions": jsonl.name,
-                "threads": args.threads, "transformers": _version("transformers"),
-                "kvpress": _version("kvpress"),
-            })  # fmt: skip
+            w.writerow(
+                {
+                    "model": args.name,
+                    "weights": str(Path(args.model).resolve()),
+                    "weights_sha256": sha,
+                    "method": s.method,
+                    "press": s.press or "none",
+                    "storage": s.storage,
+                    "target_reduction": s.target or "",
+                    "compression_ratio": f"{s.ratio(runner.head_dim):.4f}",
+                    "kv_reduction": f"{base_b / stored_b:.4f}",
+                    "kept_fraction": f"{kept_t / ctx_t:.4f}",
+                    "task": tasks[0],
+                    "hits": hits,
+                    "n": n,
+                    "recall": f"{acc:.4f}",
+                    "recall_se": f"{math.sqrt(acc * (1 - acc) / n):.4f}",
+                    "reference_hits": ref_hits,
+                    "reference_disagree": ref_dis,
+                    "seconds": f"{secs:.1f}",
+                    "s_per_prompt": f"{secs / n:.3f}",
+                    "predictions": jsonl.name,
+                    "threads": args.threads,
+                    "transformers": _version("transformers"),
+                    "kvpress": _version("kvpress"),
+                }
+            )
             f.flush()
-            print(f"{args.name} {s.name:<28} {base_b / stored_b:6.2f}x  {hits:3d}/{n} "
-                  f"({secs:.0f}s, {secs / n:.2f} s/prompt)" + (
-                      f"  ours {ref_hits}/{n}, {ref_dis} predictions differ" if ref_hits != ""
-                      else ""), flush=True)  # fmt: skip
+            print(
+                f"{args.name} {s.name:<28} {base_b / stored_b:6.2f}x  {hits:3d}/{n} "
+                f"({secs:.0f}s, {secs / n:.2f} s/prompt)"
+                + (
+                    f"  ours {ref_hits}/{n}, {ref_dis} predictions differ" if ref_hits != "" else ""
+                ),
+                flush=True,
+            )
     if failed:
         raise SystemExit("sanity check failed: " + "; ".join(failed))
 

@@ -85,10 +85,12 @@ def calibrate(cfg: dict, model, tok, raw: Path) -> dict[str, float]:
     for name in todo:
         s = cfg["settings"][name]
         rate, got = rate_for_reduction(
-            model, ids, split,
+            model,
+            ids,
+            split,
             lambda r, q=s["quantize"]: UniCacheCompressor(text_unicache(r, 0, q)),
             float(s["reduction"]),
-        )  # fmt: skip
+        )
         rates[name] = rate
         print(f"  {name}: rate {rate:.4f}, calibrated reduction {got:.2f}x", flush=True)
         raw.mkdir(parents=True, exist_ok=True)
@@ -118,8 +120,9 @@ def records(cfg: dict, task: str) -> list[dict]:
     if int(t["seed"]) < EVAL_SEED_FLOOR:
         raise ValueError(f"tasks.{task}.seed={t['seed']} is out of range; >= {EVAL_SEED_FLOOR}")
     if t["kind"] == "passkey":
-        return passkey_records(eval_documents(), int(t["n"]), int(t["seed"]),
-                               context_chars=int(t["context_chars"]))  # fmt: skip
+        return passkey_records(
+            eval_documents(), int(t["n"]), int(t["seed"]), context_chars=int(t["context_chars"])
+        )
     rt = RecallTask(pairs=int(t["pairs"]), style=t.get("style", "colon"))
     return recall_records(rt, int(t["n"]), int(t["seed"]))
 
@@ -149,8 +152,10 @@ def run_cell(cfg, task, setting, model, tok, rates, out: Path, meta: dict) -> st
     if task == "ppl":
         blocks = ppl_blocks(cfg, tok)
         res = run_text_perplexity(model, blocks, int(cfg["perplexity"]["context"]), comp)
-        rows = [{"block": i, "nll": s, "tokens": n}
-                for i, (s, n) in enumerate(zip(res.block_nll_sum, res.block_tokens))]  # fmt: skip
+        rows = [
+            {"block": i, "nll": s, "tokens": n}
+            for i, (s, n) in enumerate(zip(res.block_nll_sum, res.block_tokens))
+        ]
         info = {"ppl": res.perplexity}
         summary = f"ppl {res.perplexity:.3f}"
     else:
@@ -158,12 +163,27 @@ def run_cell(cfg, task, setting, model, tok, rates, out: Path, meta: dict) -> st
         res = run_recall(model, tok, recs, comp, batch_size=int(cfg["batch_size"]))
         rows = res.rows
         lo, hi = res.interval
-        info = {"hits": res.hits, "n": res.n, "kv_reduction": res.kv_reduction,
-                "kv_bytes": res.kv_bytes, "baseline_bytes": res.baseline_bytes}  # fmt: skip
+        info = {
+            "hits": res.hits,
+            "n": res.n,
+            "kv_reduction": res.kv_reduction,
+            "kv_bytes": res.kv_bytes,
+            "baseline_bytes": res.baseline_bytes,
+        }
         summary = f"{res.hits}/{res.n} [{lo:.2f}, {hi:.2f}] at {res.kv_reduction:.2f}x"
     seconds = time.time() - t0
-    write_jsonl(out, rows, {**meta, **info, "task": task, "setting": setting,
-                            "rate": rates.get(setting), "seconds": seconds})  # fmt: skip
+    write_jsonl(
+        out,
+        rows,
+        {
+            **meta,
+            **info,
+            "task": task,
+            "setting": setting,
+            "rate": rates.get(setting),
+            "seconds": seconds,
+        },
+    )
     return f"{summary} ({seconds:.0f}s)"
 
 
@@ -187,8 +207,12 @@ def run(cfg: dict) -> None:
     rates = calibrate(cfg, base_model, tok, raw)
     while True:
         models = find_models(cfg)
-        todo = [(task, s, m) for task, s in cfg["order"] for m in models
-                if not (raw / m / f"{task}__{s}.jsonl").is_file()]  # fmt: skip
+        todo = [
+            (task, s, m)
+            for task, s in cfg["order"]
+            for m in models
+            if not (raw / m / f"{task}__{s}.jsonl").is_file()
+        ]
         if not todo:
             break
         task, setting, name = todo[0]

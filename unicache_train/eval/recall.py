@@ -85,10 +85,15 @@ class RecallResult:
         self.predictions.append(prediction)
         self.hits += int(ok)
         self.n += 1
-        self.rows.append({
-            "id": record.get("id", str(self.n - 1)), "task": record.get("task", ""),
-            "answer": record["answer"], "prediction": prediction, "correct": ok,
-        })  # fmt: skip
+        self.rows.append(
+            {
+                "id": record.get("id", str(self.n - 1)),
+                "task": record.get("task", ""),
+                "answer": record["answer"],
+                "prediction": prediction,
+                "correct": ok,
+            }
+        )
 
 
 def write_predictions(rows: Sequence[dict], path: str | Path, **extra) -> Path:
@@ -193,8 +198,12 @@ def run_recall(
         steps = max(n_ans[i] for i in idx)
         answers = [tok]
         for j in range(1, steps):
-            logits = model(tok[:, None], positions=(split + Q + j - 1)[:, None],
-                           modality_ids=zeros[:, :1], cache=cache).logits[:, 0]  # fmt: skip
+            logits = model(
+                tok[:, None],
+                positions=(split + Q + j - 1)[:, None],
+                modality_ids=zeros[:, :1],
+                cache=cache,
+            ).logits[:, 0]
             tok = logits.float().argmax(-1)
             answers.append(tok)
         ans = torch.stack(answers, 1).tolist()  # [B, steps]
@@ -221,8 +230,12 @@ def run_recall_stepwise(
         answer: list[int] = []
         for i in range(len(q) + n_ans - 1):
             t = q[i] if i < len(q) else answer[-1]
-            logits = model(torch.tensor([[t]], device=device), positions=(split + i)[:, None],
-                           modality_ids=zeros, cache=cache).logits[:, 0]  # fmt: skip
+            logits = model(
+                torch.tensor([[t]], device=device),
+                positions=(split + i)[:, None],
+                modality_ids=zeros,
+                cache=cache,
+            ).logits[:, 0]
             if i >= len(q) - 1:
                 answer.append(int(logits.float().argmax(-1)))
         out.kv_bytes += cache.kv_bytes()

@@ -113,17 +113,45 @@ def _csv_cell(value: Any, float_digits: int | None) -> Any:
 #: for (NaN for a plain rate). The checks read ``True``, ``False`` or ``None`` (n/a: not
 #: measurable, written ``n/a``). Words: docs/architecture.md#words.
 CSV_COLUMNS = (
-    "label", "rate", "rate_realized", "budget_shortfall", "bits", "ppl", "ppl_uncompressed",
-    "ppl_delta", "recall_acc", "recall_acc_uncompressed", "recall_acc_delta", "attn_kl",
-    "output_kl", "kv_reduction", "target_reduction", "kl_ok", "ppl_ok", "acc_ok", "pass",
+    "label",
+    "rate",
+    "rate_realized",
+    "budget_shortfall",
+    "bits",
+    "ppl",
+    "ppl_uncompressed",
+    "ppl_delta",
+    "recall_acc",
+    "recall_acc_uncompressed",
+    "recall_acc_delta",
+    "attn_kl",
+    "output_kl",
+    "kv_reduction",
+    "target_reduction",
+    "kl_ok",
+    "ppl_ok",
+    "acc_ok",
+    "pass",
     "method",
-)  # fmt: skip
+)
 
 #: The sweep's table columns: the ones a reader compares.
 TABLE_COLUMNS = (
-    "label", "rate", "rate_realized", "budget_shortfall", "ppl", "ppl_delta", "recall_acc",
-    "attn_kl", "output_kl", "kv_reduction", "kl_ok", "ppl_ok", "acc_ok", "pass",
-)  # fmt: skip
+    "label",
+    "rate",
+    "rate_realized",
+    "budget_shortfall",
+    "ppl",
+    "ppl_delta",
+    "recall_acc",
+    "attn_kl",
+    "output_kl",
+    "kv_reduction",
+    "kl_ok",
+    "ppl_ok",
+    "acc_ok",
+    "pass",
+)
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
@@ -229,9 +257,19 @@ def plot_sweep(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
 
 # --------------------------------------------------------------------------------- studies
 COLUMNS = (
-    "model", "method", "target_reduction", "rate", "kv_reduction", "task", "recall",
-    "recall_se", "n", "ppl", "ppl_se", "ppl_delta",
-)  # fmt: skip
+    "model",
+    "method",
+    "target_reduction",
+    "rate",
+    "kv_reduction",
+    "task",
+    "recall",
+    "recall_se",
+    "n",
+    "ppl",
+    "ppl_se",
+    "ppl_delta",
+)
 _TEXT = ("model", "method", "task")
 
 
@@ -262,9 +300,10 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     ]
     for r in rows:
         ppl = (
-            "not measured" if math.isnan(r["ppl"])
+            "not measured"
+            if math.isnan(r["ppl"])
             else f"{r['ppl']:.2f} ({100 * r['ppl_delta']:+.1f}%)"
-        )  # fmt: skip
+        )
         lines.append(
             f"| {r['model']} | {r['method']} | {r['kv_reduction']:.2f}x | {r['task']} | "
             f"{_recall_cell(r['recall'], r['n'])} | {ppl} |"
@@ -310,10 +349,14 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
                 pts + [r for r in rs if r["task"] == task], key=lambda r: r["kv_reduction"]
             )
             ax.errorbar(
-                [p["kv_reduction"] for p in pts], [p["recall"] for p in pts],
-                yerr=[p["recall_se"] for p in pts], marker="o", capsize=2,
-                label=f"{model} / {method}", ls="--" if method.startswith("kvpress:") else "-",
-            )  # fmt: skip
+                [p["kv_reduction"] for p in pts],
+                [p["recall"] for p in pts],
+                yerr=[p["recall_se"] for p in pts],
+                marker="o",
+                capsize=2,
+                label=f"{model} / {method}",
+                ls="--" if method.startswith("kvpress:") else "-",
+            )
             ax.set_title(f"{task}: recall (± se)")
         # perplexity does not depend on the recall task: one task's rows of this line suffice
         first = rs[0]["task"]
@@ -331,9 +374,11 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
         ax.set_xlabel("KV bytes reduction (x, measured)")
         ax.grid(alpha=0.3)
     axes[-1].legend(
-        *axes[0].get_legend_handles_labels(), fontsize=6, loc="upper left",
+        *axes[0].get_legend_handles_labels(),
+        fontsize=6,
+        loc="upper left",
         bbox_to_anchor=(1.02, 1.0),
-    )  # fmt: skip
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -381,14 +381,27 @@ def quality_row(setting: Setting, q: Quality, reference: Quality) -> dict[str, A
     realized = q.rate_realized
     shortfall = max(rate - realized, 0.0) if not math.isnan(rate) else math.nan
     return {
-        "label": setting.label, "rate": rate, "rate_realized": realized,
-        "budget_shortfall": shortfall, "bits": setting.bits if setting.bits else "",
-        "ppl": q.ppl, "ppl_uncompressed": reference.ppl, "ppl_delta": ppl_delta,
-        "recall_acc": q.recall_acc, "recall_acc_uncompressed": reference.recall_acc,
-        "recall_acc_delta": acc_delta, "attn_kl": q.attn_kl, "output_kl": q.output_kl,
-        "kv_reduction": q.kv_reduction, "kl_ok": kl_ok, "ppl_ok": ppl_ok, "acc_ok": acc_ok,
-        "pass": passed, "method": setting.method, "target_reduction": setting.target_reduction,
-    }  # fmt: skip
+        "label": setting.label,
+        "rate": rate,
+        "rate_realized": realized,
+        "budget_shortfall": shortfall,
+        "bits": setting.bits if setting.bits else "",
+        "ppl": q.ppl,
+        "ppl_uncompressed": reference.ppl,
+        "ppl_delta": ppl_delta,
+        "recall_acc": q.recall_acc,
+        "recall_acc_uncompressed": reference.recall_acc,
+        "recall_acc_delta": acc_delta,
+        "attn_kl": q.attn_kl,
+        "output_kl": q.output_kl,
+        "kv_reduction": q.kv_reduction,
+        "kl_ok": kl_ok,
+        "ppl_ok": ppl_ok,
+        "acc_ok": acc_ok,
+        "pass": passed,
+        "method": setting.method,
+        "target_reduction": setting.target_reduction,
+    }
 
 
 # --------------------------------------------------------------------------------- main loop

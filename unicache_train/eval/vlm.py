@@ -233,9 +233,15 @@ def build_prompts(
         n_ans = max(len(e["ids"]) - e["answer_start"] for e in encs)
         out.append(
             PromptBatch(
-                ids, mods, torch.tensor([e["answer_start"] for e in encs]), pix, mask,
-                [s["answer"] for s in chunk], [s["task"] for s in chunk], n_ans,
-            )  # fmt: skip
+                ids,
+                mods,
+                torch.tensor([e["answer_start"] for e in encs]),
+                pix,
+                mask,
+                [s["answer"] for s in chunk],
+                [s["task"] for s in chunk],
+                n_ans,
+            )
         )
     return out
 
@@ -257,9 +263,12 @@ def _progress(items: Iterable, total: int, description: str, enabled: bool) -> I
 #: Per-layer compressor stats averaged over layers and prompts (context tokens removed per
 #: modality and overall; protected alignment tokens).
 _LAYER_STATS = (
-    "rate_realized", "rate_realized/text", "rate_realized/vision", "rate_realized/audio",
+    "rate_realized",
+    "rate_realized/text",
+    "rate_realized/vision",
+    "rate_realized/audio",
     "protected_fraction",
-)  # fmt: skip
+)
 
 
 @torch.no_grad()
@@ -300,9 +309,15 @@ def answer_accuracy(
             else model.embed(ids, mods, pb.pixel_values.to(device), pb.image_mask.to(device))
         )
         gen = generate_compressed(
-            model, ids, pb.split.to(device), compressor, pb.max_answer_tokens + 1,
-            eos_token_id=tokenizer.eos_token_id, modality_ids=mods, inputs_embeds=emb,
-        )  # fmt: skip
+            model,
+            ids,
+            pb.split.to(device),
+            compressor,
+            pb.max_answer_tokens + 1,
+            eos_token_id=tokenizer.eos_token_id,
+            modality_ids=mods,
+            inputs_embeds=emb,
+        )
         for row, ref, task in zip(gen.tokens.tolist(), pb.answers, pb.tasks):
             text = tokenizer.decode(row)
             preds.append(text)
@@ -312,7 +327,7 @@ def answer_accuracy(
             hits[task][1] += 1
         # Layer means of the batch's stats, weighted by the batch's prompts.
         w = float(len(pb.answers))
-        for stats in (gen.cache.stats or []):
+        for stats in gen.cache.stats or []:
             for key in _LAYER_STATS:
                 if key in stats:
                     sums[key] = sums.get(key, 0.0) + float(stats[key]) * w
@@ -339,10 +354,19 @@ def answer_accuracy(
 #: ``rate``: the requested target rate; ``rate_realized``: context tokens really removed (mean
 #: over layers); ``budget_shortfall``: ``rate - rate_realized`` when positive (caps, protection).
 VLM_CSV_COLUMNS = (
-    "model", "variant", "rate", "rate_realized", "budget_shortfall", "acc",
-    *(f"acc/{t}" for t in TASKS), "rate_realized/text", "rate_realized/vision",
-    "protected_fraction", "kv_reduction", "n",
-)  # fmt: skip
+    "model",
+    "variant",
+    "rate",
+    "rate_realized",
+    "budget_shortfall",
+    "acc",
+    *(f"acc/{t}" for t in TASKS),
+    "rate_realized/text",
+    "rate_realized/vision",
+    "protected_fraction",
+    "kv_reduction",
+    "n",
+)
 
 
 @torch.no_grad()
@@ -385,16 +409,19 @@ def evaluate_vlm(
     batches = build_prompts(samples, tokenizer, model.patches_per_image, opts.batch_size)
     embeds = [
         model.embed(
-            b.input_ids.to(device), b.modality_ids.to(device), b.pixel_values.to(device),
+            b.input_ids.to(device),
+            b.modality_ids.to(device),
+            b.pixel_values.to(device),
             b.image_mask.to(device),
-        )  # fmt: skip
+        )
         for b in batches
     ]
     settings: list[tuple[str, float, Any]] = [("uncompressed", math.nan, None)]
     for variant in opts.variants:
         for rate in opts.rates:
-            settings.append((variant, rate, variant_config(base_unicache, variant, rate,
-                                                           opts.quantize)))  # fmt: skip
+            settings.append(
+                (variant, rate, variant_config(base_unicache, variant, rate, opts.quantize))
+            )
     for name, cfg in (configs or {}).items():
         settings.append((name, cfg.target_rate, cfg))
     rows = []
@@ -405,9 +432,15 @@ def evaluate_vlm(
         res = answer_accuracy(model, tokenizer, batches, comp, embeds)
         realized = res["rate_realized"]
         shortfall = math.nan if math.isnan(rate) else max(rate - realized, 0.0)
-        rows.append({"model": model_label, "variant": variant, "rate": rate,
-                     "budget_shortfall": shortfall,
-                     **{k: v for k, v in res.items() if k != "predictions"}})  # fmt: skip
+        rows.append(
+            {
+                "model": model_label,
+                "variant": variant,
+                "rate": rate,
+                "budget_shortfall": shortfall,
+                **{k: v for k, v in res.items() if k != "predictions"},
+            }
+        )
     return rows
 
 
@@ -445,11 +478,17 @@ _STYLE = {
 
 #: Lines of models other than "base": (model, variant) -> (colour, style, label).
 _MODEL_STYLE = {
-    ("finetuned", "unicache"): ("tab:cyan", "-",
-                                "(d) UniCache after compression-aware fine-tuning"),
-    ("finetuned_control", "unicache"): ("tab:green", "--",
-                                        "UniCache after plain fine-tuning (control)"),
-}  # fmt: skip
+    ("finetuned", "unicache"): (
+        "tab:cyan",
+        "-",
+        "(d) UniCache after compression-aware fine-tuning",
+    ),
+    ("finetuned_control", "unicache"): (
+        "tab:green",
+        "--",
+        "UniCache after plain fine-tuning (control)",
+    ),
+}
 
 
 def _line_style(model: str, variant: str) -> tuple[str | None, str, str]:
@@ -482,8 +521,14 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], path: str | Path, title: str =
                 mine = [r for r in rows if r["model"] == m]
                 base = next((r for r in mine if r["variant"] == "uncompressed"), None)
                 if base is not None:
-                    ax.axhline(base[key], color="black", ls=dashes[mi % 4], lw=0.8, alpha=0.6,
-                               label=f"{m}: uncompressed")  # fmt: skip
+                    ax.axhline(
+                        base[key],
+                        color="black",
+                        ls=dashes[mi % 4],
+                        lw=0.8,
+                        alpha=0.6,
+                        label=f"{m}: uncompressed",
+                    )
                 for variant in dict.fromkeys(r["variant"] for r in mine):
                     if variant == "uncompressed":
                         continue
@@ -491,9 +536,16 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], path: str | Path, title: str =
                     if len(pts) < 2:
                         continue
                     colour, ls, label = _line_style(m, variant)
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
-                            color=colour, ls=ls, lw=2.2 if m != "base" else 1.4,
-                            label=label)  # fmt: skip
+                    ax.plot(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        marker="o",
+                        ms=3,
+                        color=colour,
+                        ls=ls,
+                        lw=2.2 if m != "base" else 1.4,
+                        label=label,
+                    )
             ax.set_title(t)
             ax.set_xlabel(xlabel)
             ax.set_ylim(-0.02, 1.02)
