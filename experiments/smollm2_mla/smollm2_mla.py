@@ -44,13 +44,9 @@ STUDY = yaml.safe_load(
 
 def training_data(work: Path, ckpt, **data) -> dict:
     """The study's training mix written under ``work``; its data section (``data`` overrides)."""
-    from unicache_train.data.recall_mix import write_training_data
-    from unicache_train.eval import RecallTask
+    from unicache_train.data.recall_mix import study_training_data
 
-    tasks = [RecallTask(**t) for t in STUDY["train_tasks"]]
-    records = data.pop("records_per_task", STUDY["records_per_task"])
-    section = {**STUDY["data"], **data}
-    return write_training_data(work, ckpt, tasks, records, STUDY["text_fraction"], section)
+    return study_training_data(STUDY, work, ckpt, **data)
 
 
 def training_datamodule(work: Path, ckpt, **data):

@@ -106,3 +106,14 @@ def write_training_data(
     path = work / "train_mix.jsonl"
     mix = write_recall_mix(path, list(tasks), records_per_task, seed, text_fraction)
     return {**data, "source": str(mix), "tokenizer": str(tokenizer)}
+
+
+def study_training_data(study: dict, work_dir: str | Path, tokenizer: str | Path, **data) -> dict:
+    """:func:`write_training_data` from a study's frozen mapping (``train_tasks``,
+    ``records_per_task``, ``text_fraction`` and its ``data`` section, as in
+    ``experiments/<study>/study.yaml``); ``data`` overrides fields of the data section, and
+    ``records_per_task`` may be overridden too."""
+    tasks = [RecallTask(**t) for t in study["train_tasks"]]
+    records = data.pop("records_per_task", study["records_per_task"])
+    section = {**study["data"], **data}
+    return write_training_data(work_dir, tokenizer, tasks, records, study["text_fraction"], section)
