@@ -199,7 +199,9 @@ def write_prompts(args) -> None:
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp = path.with_suffix(path.suffix + ".tmp")  # atomic: a killed run leaves no half file
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
 
 
 # ------------------------------------------------------------------------------ our harness
