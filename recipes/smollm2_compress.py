@@ -52,7 +52,7 @@ class Setting:
     method: str
     target: float  # KV-bytes reduction asked for (1: uncompressed)
     rate: float  # UniCache removal rate (nan for xKV / uncompressed)
-    build: Any  # () -> compressor
+    build: Any  # model -> compressor (a learned retention policy reads the model's)
     unicache: Any = None  # the UniCacheConfig of a UniCache setting (the in-loop fine-tune's)
 
 
@@ -79,13 +79,20 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 # xkv: cross-layer SVD (groups of 2); unicache+xkv: UniCache token selection at
 # study.xkv_token_rate (head merging and quantization off, as in training), then xKV on the kept
 # entries with its reduction calibrated so that the two together reach the target
+# sinks_recent_q4 / snapkv_q4: StreamingLLM's / SnapKV's selection with int4 storage;
+# retention_q4: the learned retention policy with int4 storage (a model without a policy ranks
+# with its prior, sinks + recent: the policy's zero init)
 _UNICACHE_QUANT = {
     "unicache": "int8",
     "unicache_span": "int8",
     "unicache_q4": "int4",
     "unicache_q4_ch": "int4",
+    "sinks_recent_q4": "int4",
+    "snapkv_q4": "int4",
+    "retention_q4": "int4",
 }
 _GRANULARITY = {"unicache_q4_ch": "channel"}  # else the default, one scale per (token, head)
+_SELECTION = {"sinks_recent_q4": "sinks_recent", "snapkv_q4": "snapkv", "retention_q4": "retention"}
 METHODS = (*_UNICACHE_QUANT, "xkv", "unicache+xkv")
 
 
@@ -109,31 +116,45 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
     from unicache_train.compress.config import XKVConfig
     from unicache_train.compress.xkv import XKVCompressor
     from unicache_train.compress.xkv.compressor import token_config_for_xkv
-    from unicache_train.eval.budget import measured_reduction, rate_for_reduction, text_unicache
+    from unicache_train.eval.budget import (
+        measured_reduction,
+        rate_for_reduction,
+        selection_unicache,
+        text_unicache,
+        unicache_compressor,
+    )
     from unicache_train.seam import IdentityCompressor
 
-    out = [Setting("none", 1.0, 0.0, IdentityCompressor)]
+    out = [Setting("none", 1.0, 0.0, lambda m: IdentityCompressor())]
     for spec in study["settings"]:
         method, red = parse_setting(spec)
         if method in _UNICACHE_QUANT:
             pool = int(study["span_pool"]) if method == "unicache_span" else 0
             quant = _UNICACHE_QUANT[method]
             gran = _GRANULARITY.get(method, "token_head")
+            sel = _SELECTION.get(method)
 
-            def config_at(rate, pool=pool, quant=quant, gran=gran):
-                cfg = text_unicache(rate, pool, quant, gran)
+            def config_at(rate, pool=pool, quant=quant, gran=gran, sel=sel):
+                if sel is None:
+                    cfg = text_unicache(rate, pool, quant, gran)
+                else:
+                    cfg = selection_unicache(sel, rate, quant)
                 cfg.quantize.windowed_layers = bool(study.get("quantize_windows", False))
                 return cfg
 
             rate, got = rate_for_reduction(
-                model, calib_ids, calib_split, lambda r: UniCacheCompressor(config_at(r)), red
+                model,
+                calib_ids,
+                calib_split,
+                lambda r: unicache_compressor(config_at(r), model),
+                red,
             )
             cfg = config_at(rate)
-            out.append(Setting(method, red, rate, lambda c=cfg: UniCacheCompressor(c), cfg))
+            out.append(Setting(method, red, rate, lambda m, c=cfg: unicache_compressor(c, m), cfg))
         elif method == "xkv":
             xcfg = XKVConfig(rank_mode="reduction", reduction=red, group_size=2)
             got = measured_reduction(model, calib_ids, calib_split, XKVCompressor(xcfg))
-            out.append(Setting("xkv", red, math.nan, lambda c=xcfg: XKVCompressor(c), got))
+            out.append(Setting("xkv", red, math.nan, lambda m, c=xcfg: XKVCompressor(c), got))
         else:  # unicache+xkv
             rate = float(study["xkv_token_rate"])
             tcfg = token_config_for_xkv(text_unicache(rate, 0, "int8"))
@@ -153,7 +174,9 @@ def build_settings(model, calib_ids, calib_split, study) -> list[Setting]:
                     "unicache+xkv",
                     red,
                     rate,
-                    lambda x=xcfg, t=tcfg: XKVCompressor(x, token_compressor=UniCacheCompressor(t)),
+                    lambda m, x=xcfg, t=tcfg: XKVCompressor(
+                        x, token_compressor=UniCacheCompressor(t)
+                    ),
                     got,
                 )
             )
@@ -178,7 +201,7 @@ def evaluate(
     rows, ppl0 = [], None
     for s in settings:
         t0 = time.time()
-        text = run_text_perplexity(model, blocks, int(study["text_context"]), s.build())
+        text = run_text_perplexity(model, blocks, int(study["text_context"]), s.build(model))
         ppl0 = text.perplexity if s.method == "none" else ppl0
         cell = f"{name.replace(' ', '_')}__{s.method}@{s.target:g}"
         if out is not None:
@@ -187,7 +210,7 @@ def evaluate(
             write_predictions(per_block, out / "predictions" / f"{cell}__ppl.jsonl")
         for task in tasks:
             r = run_recall(
-                model, tok, records[task.name], s.build(), batch_size=int(study["batch_size"])
+                model, tok, records[task.name], s.build(model), batch_size=int(study["batch_size"])
             )
             if out is not None:
                 write_predictions(r.rows, out / "predictions" / f"{cell}__{task.name}.jsonl")

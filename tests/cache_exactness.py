@@ -47,6 +47,10 @@ POLICIES = {
     "unicache_int4_merge": dict(
         method="unicache", preset="default", unicache={"quantize": {"bits": 4}}
     ),
+    # a learned retention policy (random weights, exported beside the model) with int4 storage
+    "retention_int4": dict(
+        method="unicache", preset="retention", unicache={"quantize": {"bits": 4}}
+    ),
     "xkv": dict(method="xkv"),
     "unicache+xkv": dict(method="unicache+xkv", preset="text_style_baseline"),
     "off": None,
@@ -79,6 +83,13 @@ def make_model(family: str) -> Decoder:
 
 def export(tmp_path: Path, family: str, policy_name: str) -> Path:
     model = make_model(family)
+    if policy_name.startswith("retention"):
+        from unicache_train.compress.retention import attach_retention
+
+        with torch.no_grad():  # off its zero init: the learned part changes the ranking
+            policy = attach_retention(model)
+            policy.weight.normal_(std=2.0)
+            policy.bias.normal_(std=1.0)
     kw = POLICIES[policy_name]
     cc = None if kw is None else CompressionTrainConfig.from_dict({"enabled": True, **kw})
     policy = None if cc is None else policy_of(cc)
@@ -131,10 +142,10 @@ def ours(out: Path, prompts: list[torch.Tensor]):
     ids = torch.zeros(len(prompts), P + NEW, dtype=torch.long)
     for b, p in enumerate(prompts):  # right padding, as our decoding loop takes it
         ids[b, : len(p)] = p
-    gen = generate_compressed(model, ids[:, :P], lens, compressor_from_policy(policy), NEW)
+    gen = generate_compressed(model, ids[:, :P], lens, compressor_from_policy(policy, out), NEW)
     for b, n in enumerate(lens.tolist()):
         ids[b, n : n + NEW] = gen.tokens[b]
-    logits, _ = decode_teacher_forced(model, ids, lens, compressor_from_policy(policy))
+    logits, _ = decode_teacher_forced(model, ids, lens, compressor_from_policy(policy, out))
     steps = torch.stack([logits[b, n - 1 : n - 1 + NEW] for b, n in enumerate(lens.tolist())])
     return gen.tokens, steps, gen.cache
 
@@ -145,6 +156,7 @@ CASES = [("llama", p) for p in POLICIES] + [
     ("mistral", "xkv"),
     ("mhc", "unicache_int8"),
     ("mhc", "xkv"),
+    ("mhc", "retention_int4"),
 ]
 
 

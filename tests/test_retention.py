@@ -320,6 +320,14 @@ def test_tiny_fit_trains_the_policy_and_logs_its_metrics(tmp_path: Path) -> None
     # Validation runs the hard selection at the byte target (eval mode).
     ratios = [float(r["compress/ppl_delta"]) for r in rows if r.get("compress/ppl_delta")]
     assert ratios and all(math.isfinite(x) for x in ratios)
+    # The checkpoint exports with the policy's weights beside the model, as trained.
+    from safetensors.torch import load_file
+
+    from unicache_train.checkpoint.export import export_checkpoint
+
+    out = export_checkpoint(tmp_path / "checkpoints" / "last.ckpt", tmp_path / "export")
+    got = load_file(str(out / "kv_retention.safetensors"))
+    assert torch.equal(got["weight"], w.float())
 
 
 # ------------------------------------------------------------------ decoding and the file hook
@@ -405,3 +413,121 @@ def test_zero2_trains_the_policy_and_consolidates_it(tmp_path: Path) -> None:
     state = consolidate_zero_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
     w = state["model.kv_retention.weight"]
     assert w.shape == (2, 2, 16) and float(w.abs().sum()) > 0  # trained from its zero init
+
+
+# ------------------------------------------------------------------ export and serving
+def _export_with_policy(tmp_path: Path) -> tuple[Decoder, Path]:
+    from unicache_train.checkpoint.hf import export_hf
+    from unicache_train.checkpoint.policy import policy_of
+
+    torch.manual_seed(0)
+    model = Decoder(tiny_model()).eval()
+    with torch.no_grad():
+        attach_retention(model).weight.normal_(std=2.0)
+    cc = CompressionTrainConfig.from_dict(
+        {"enabled": True, "preset": "retention", "unicache": {"quantize": {"bits": 4}}}
+    )
+    out = tmp_path / "export"
+    with pytest.warns(UserWarning, match="tokenizer"):
+        export_hf(model, out, compression_policy=policy_of(cc))
+    return model, out
+
+
+def test_export_carries_the_policy_beside_the_weights_and_serving_reads_it(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    from unicache_train.checkpoint.hf import import_hf
+    from unicache_train.checkpoint.policy import compressor_from_policy, read_policy
+
+    model, out = _export_with_policy(tmp_path)
+    assert not any("kv_retention" in k for k in load_file(str(out / "model.safetensors")))
+    doc = json.loads((out / "compression_config.json").read_text())
+    assert doc["policy"]["retention"] == {"file": "kv_retention.safetensors"}
+    policy = read_policy(out)
+    comp = compressor_from_policy(policy, out)
+    assert not comp.retention.training  # inference: the hard selection at the byte target
+    assert torch.equal(comp.retention.weight, model.kv_retention.weight)
+    assert torch.equal(comp.retention.bias, model.kv_retention.bias)
+    # The imported model is the plain decoder (the policy lives beside it, in the compressor),
+    # and compressing with the file's policy equals compressing with the model's own.
+    imported, _ = import_hf(out)
+    ids = torch.randint(0, 97, (2, 40))
+    split = torch.tensor([30, 24])
+    own = UniCacheCompressor(
+        UniCacheConfig.from_dict(policy["unicache"]), retention=model.kv_retention
+    )
+    with torch.no_grad():
+        a = imported.eval()(ids, split=split, compressor=comp)
+        b = model(ids, split=split, compressor=own)
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+    # A policy that needs the weights cannot be served without the directory.
+    from unicache_train.validation import ConfigError
+
+    with pytest.raises(ConfigError, match="needs its weights"):
+        compressor_from_policy(policy)
+    with pytest.raises(ConfigError, match="does not fit"):
+        compressor_from_policy(policy, out, shape=(3, 1, 16))
+
+
+@pytest.mark.parametrize(
+    "entry,match",
+    [
+        ({"file": "../model.safetensors"}, "not allowed"),
+        ({"file": "/etc/passwd.safetensors"}, "not allowed"),
+        ({"file": "missing.safetensors"}, "does not exist"),
+        ({"file": "kv_retention.safetensors", "code": "x"}, "needs"),
+        (None, "needs"),
+    ],
+)
+def test_hostile_or_broken_retention_entries_are_refused(tmp_path: Path, entry, match) -> None:
+    import json
+
+    from unicache_train.checkpoint.policy import read_policy
+    from unicache_train.validation import ConfigError
+
+    _, out = _export_with_policy(tmp_path)
+    file = out / "compression_config.json"
+    doc = json.loads(file.read_text())
+    if entry is None:
+        del doc["policy"]["retention"]
+    else:
+        doc["policy"]["retention"] = entry
+    file.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match=match):
+        read_policy(out)
+
+
+def test_bad_retention_files_and_policies_are_refused(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    from unicache_train.checkpoint.hf import export_hf
+    from unicache_train.checkpoint.policy import compressor_from_policy, policy_of, read_policy
+    from unicache_train.compress.retention import read_retention
+    from unicache_train.validation import ConfigError
+
+    _, out = _export_with_policy(tmp_path)
+    file = out / "kv_retention.safetensors"
+    policy = read_policy(out)
+    save_file({"weight": torch.full((2, 1, 16), float("nan")), "bias": torch.zeros(2, 1)}, file)
+    with pytest.raises(ConfigError, match="NaN"):
+        compressor_from_policy(policy, out)
+    save_file({"weight": torch.zeros(2, 1, 16)}, file)
+    with pytest.raises(ValueError, match="bias"):
+        read_retention(file)
+    file.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        read_retention(file)
+    # A retention entry on a policy that does not select with it is refused, not ignored.
+    doc = json.loads((out / "compression_config.json").read_text())
+    doc["policy"]["unicache"]["selection"]["method"] = "sinks_recent"
+    (out / "compression_config.json").write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="not 'retention'"):
+        read_policy(out)
+    # Exporting a retention policy from a model that has none names the problem.
+    cc = CompressionTrainConfig.from_dict({"enabled": True, "preset": "retention"})
+    with pytest.raises(ValueError, match="has none"):
+        export_hf(Decoder(tiny_model()), tmp_path / "other", compression_policy=policy_of(cc))

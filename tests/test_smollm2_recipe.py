@@ -34,6 +34,7 @@ def recipe():
         ("xkv@2.5", ("xkv", 2.5)),
         ("unicache_span@4", ("unicache_span", 4.0)),
         ("unicache+xkv@8", ("unicache+xkv", 8.0)),
+        ("retention_q4@16", ("retention_q4", 16.0)),
     ],
 )
 def test_parse_setting(recipe, spec, want) -> None:
@@ -74,7 +75,7 @@ def test_settings_reach_their_byte_targets_with_their_storage(recipe) -> None:
         s = by[key]
         assert s.unicache.quantize.enabled and s.unicache.quantize.bits == bits
         # the calibrated rate reaches the target, measured again on the same batch
-        got = measured_reduction(model, ids, split, s.build())
+        got = measured_reduction(model, ids, split, s.build(model))
         assert got >= key[1] - 1e-6, (key, got)
     # int4 spends the byte budget on precision: far fewer tokens removed at the same target
     assert by[("unicache_q4", 4.0)].rate < 0.5 * by[("unicache", 4.0)].rate
@@ -88,10 +89,10 @@ def test_unicache_then_xkv_setting_reaches_its_target(recipe) -> None:
     study = {"settings": ["unicache+xkv@4"], "span_pool": 7, "xkv_token_rate": 0.5}
     with torch.no_grad():
         (_, s) = recipe.build_settings(model, ids, split, study)
-        got = measured_reduction(model, ids, split, s.build())
+        got = measured_reduction(model, ids, split, s.build(model))
     assert s.method == "unicache+xkv" and s.rate == 0.5
     assert abs(got - 4.0) / 4.0 < 0.15, got  # rank is an integer: close, not exact
-    comp = s.build()
+    comp = s.build(model)
     assert comp.token_compressor.config.quantize.bits is None
     assert not comp.token_compressor.config.head_merge.enabled
 
@@ -170,7 +171,7 @@ def test_evaluate_writes_per_prompt_predictions_and_per_block_losses(recipe, tmp
     tok = ByteTokenizer()
     blocks = text_blocks(tok, ["The quick brown fox jumps over the lazy dog. " * 8], 48, 3)
     study = {"num_recall": 3, "recall_seed": 1_000_003, "text_context": 32, "batch_size": 2}
-    settings = [recipe.Setting("none", 1.0, 0.0, IdentityCompressor)]
+    settings = [recipe.Setting("none", 1.0, 0.0, lambda m: IdentityCompressor())]
     rows = recipe.evaluate(
         model,
         tok,
@@ -189,3 +190,35 @@ def test_evaluate_writes_per_prompt_predictions_and_per_block_losses(recipe, tmp
     ppl_file = pred.parent / "base__none@1__ppl.jsonl"
     ppl = [json.loads(x) for x in ppl_file.read_text().splitlines()]
     assert len(ppl) == 3 and all(r["tokens"] == 16 for r in ppl)
+
+
+def test_selection_settings_reach_their_targets_and_retention_reads_the_models_policy(
+    recipe,
+) -> None:
+    """sinks_recent_q4 / snapkv_q4 / retention_q4: the selection's preset with int4 storage at
+    the byte target; a retention setting on a model without a policy ranks as its prior (the
+    zero init), on a model with one it uses that policy."""
+    from unicache_train.compress.retention import attach_retention
+
+    model, ids, split = _tiny_model_and_batch()
+    specs = ["sinks_recent_q4@8", "snapkv_q4@8", "retention_q4@8"]
+    with torch.no_grad():
+        settings = recipe.build_settings(model, ids, split, {"settings": specs, "span_pool": 7})
+    by = {s.method: s for s in settings}
+    for method, sel in [
+        ("sinks_recent_q4", "sinks_recent"),
+        ("snapkv_q4", "snapkv"),
+        ("retention_q4", "retention"),
+    ]:
+        s = by[method]
+        assert s.unicache.selection.method == sel and s.unicache.quantize.bits == 4
+        assert not s.unicache.head_merge.enabled
+        with torch.no_grad():
+            got = measured_reduction(model, ids, split, s.build(model))
+        assert got >= 8.0 - 1e-6, (method, got)
+    assert not hasattr(model, "kv_retention")  # evaluating a policy-less model attaches none
+    prior = by["retention_q4"].build(model)
+    assert float(prior.retention.weight.abs().sum()) == 0.0
+    with torch.no_grad():
+        attach_retention(model).weight.normal_()
+    assert by["retention_q4"].build(model).retention is model.kv_retention

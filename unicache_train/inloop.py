@@ -51,7 +51,10 @@ __all__ = [
 
 
 def build_compressor(
-    config: CompressionTrainConfig, model: torch.nn.Module | None = None
+    config: CompressionTrainConfig,
+    model: torch.nn.Module | None = None,
+    *,
+    retention: torch.nn.Module | None = None,
 ) -> KVCompressor:
     """The compressor a run trains with: UniCache, xKV, UniCache then xKV, or the identity (on
     private copies of the configs), each owning its rate schedule (``curriculum_steps``: the
@@ -63,7 +66,8 @@ def build_compressor(
     policy is attached to ``model`` as the submodule ``kv_retention`` (created if the model has
     none; :func:`unicache_train.compress.retention.attach_retention`), so the optimizer,
     checkpoints and parameter counts see it, and the compressor holds a reference to it. Call
-    this before the optimizer is built."""
+    this before the optimizer is built. A serving side passes a standalone policy instead
+    (``retention``, e.g. :func:`unicache_train.compress.retention.read_retention`)."""
     if config.method == "none":
         return IdentityCompressor()
     from unicache_train.compress import UniCacheCompressor, UniCacheConfig
@@ -77,6 +81,12 @@ def build_compressor(
             raise ValueError(
                 f"CompressionTrainConfig.method={config.method!r} does not support "
                 "unicache.selection.method='retention'; allowed ['unicache']"
+            )
+        if retention is not None:
+            return UniCacheCompressor(
+                UniCacheConfig.from_dict(cfg.to_dict()),
+                retention=retention,
+                curriculum_steps=steps,
             )
         if model is None:
             raise ValueError(

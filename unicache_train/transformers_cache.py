@@ -224,7 +224,15 @@ class CompressedCache(Cache):
                 "unicache_train.model.generate.generate_compressed"
             )
         policy = read_policy(path)
-        compressor = compressor_from_policy(policy)
+        compressor = compressor_from_policy(  # a learned retention policy: its file, here
+            policy,
+            path,
+            shape=(
+                model_config.num_hidden_layers,
+                model_config.num_key_value_heads,
+                model_config.head_size,
+            ),
+        )
         rope = None
         if getattr(compressor, "pre_rope", False):
             from unicache_train.model.rope import RotaryEmbedding

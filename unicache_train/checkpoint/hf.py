@@ -76,6 +76,7 @@ from unicache_train.checkpoint.hf_weights import (
 from unicache_train.checkpoint.integrity import verify
 from unicache_train.checkpoint.safetensors_io import load_safetensors_dir, read_config_json
 from unicache_train.checkpoint.serving import write_export_dir
+from unicache_train.compress.retention import retention_state
 from unicache_train.model import Decoder
 from unicache_train.model.config import ModelConfig
 from unicache_train.preflight import check_model_fits
@@ -215,6 +216,7 @@ def export_hf(
         sd,
         source,
         compression_policy=compression_policy,
+        retention=retention_state(model),
         remote_code=[_REMOTE_CODE / name for name in code] if model.config.uses_streams else (),
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,

@@ -115,7 +115,9 @@ def to_hf_state_dict(model: Decoder, family: str = "llama") -> dict[str, torch.T
     """Our decoder -> HF tensor names for ``family`` (or our mHC format), contiguous CPU copies."""
     config = model.config
     check_family(config, family)
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    # NOTE: a learned retention policy (``kv_retention.*``) is not an HF weight: an export
+    # writes it to its own file beside the model (checkpoint.serving.write_export_dir).
+    sd = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("kv_retention.")}
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)  # HF re-ties it to the embedding on load
     out = {

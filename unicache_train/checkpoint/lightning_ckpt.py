@@ -117,6 +117,12 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> tuple[Decode
     state = {
         k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")
     }
+    if any(k.startswith("kv_retention.") for k in state):
+        # A learned retention policy trained in the loop: a model parameter of the run
+        # (compress/retention.py), attached before the strict load.
+        from unicache_train.compress.retention import attach_retention
+
+        attach_retention(model)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_state_dict(state, expected, path, "the model its config describes")
     model.load_state_dict(state)

@@ -9,16 +9,22 @@ Written by every export of a run that trained with KV compression in the loop
      "policy": {"method": "unicache" | "xkv" | "unicache+xkv" | "none",
                 "preset": "<UniCache preset>",
                 "unicache": {<the resolved UniCacheConfig>},
-                "xkv": {<the resolved XKVConfig>}           (xKV methods only)}}
+                "xkv": {<the resolved XKVConfig>},          (xKV methods only)
+                "retention": {"file": "kv_retention.safetensors"}}}
+                                                    (a learned retention policy only)
 
 The policy holds resolved configurations (every field), so a reader rebuilds exactly the
-compressor the run trained with, whatever the defaults of the reading version.
+compressor the run trained with, whatever the defaults of the reading version. A learned
+retention policy (``unicache.selection.method == "retention"``) also has weights: a safetensors
+file in the export directory, named by ``retention.file`` (a bare file name; never a path out
+of the directory), read by :func:`compressor_from_policy`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +38,24 @@ __all__ = [
     "policy_of",
     "read_policy",
     "compressor_from_policy",
+    "uses_retention",
 ]
 
 COMPRESSION_CONFIG = "compression_config.json"
 COMPRESSION_SCHEMA_VERSION = 1
 _DOC_KEYS = {"schema_version", "format", "library", "policy"}
-_POLICY_KEYS = {"method", "preset", "unicache", "xkv"}
+_POLICY_KEYS = {"method", "preset", "unicache", "xkv", "retention"}
+# The retention file's name: a bare name in the export directory (no separators, no "..").
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\.safetensors$")
+
+
+def uses_retention(policy: dict[str, Any] | None) -> bool:
+    """Whether a policy selects tokens with a learned retention policy (which has weights)."""
+    if not isinstance(policy, dict) or policy.get("method") in (None, "none"):
+        return False
+    unicache = policy.get("unicache")
+    selection = unicache.get("selection") if isinstance(unicache, dict) else None
+    return isinstance(selection, dict) and selection.get("method") == "retention"
 
 
 def policy_of(compress: CompressionTrainConfig) -> dict[str, Any] | None:
@@ -137,7 +155,34 @@ def read_policy(export_dir: str | Path) -> dict[str, Any] | None:
             compression_config_of(policy)
         except ConfigError as err:
             raise ConfigError(f"{file}: {err}") from None
+    _check_retention_entry(file, policy)
     return policy
+
+
+def _check_retention_entry(file: Path, policy: dict[str, Any]) -> None:
+    """``policy.retention`` is present exactly when the selection is learned, and names a
+    bare ``*.safetensors`` file that exists beside ``file``."""
+    entry = policy.get("retention")
+    if not uses_retention(policy):
+        if entry is not None:
+            raise ConfigError(
+                f"{file}: policy.retention={entry!r} but unicache.selection.method is not "
+                "'retention' (the weights would be ignored)"
+            )
+        return
+    name = entry.get("file") if isinstance(entry, dict) else None
+    if not isinstance(entry, dict) or set(entry) != {"file"} or not isinstance(name, str):
+        raise ConfigError(
+            f"{file}: policy.retention={entry!r}; a learned retention policy needs "
+            "{'file': '<name>.safetensors'} (its weights, beside this file)"
+        )
+    if not _FILE_NAME.match(name):
+        raise ConfigError(
+            f"{file}: policy.retention.file={name!r} is not allowed; expected a bare file name "
+            "ending in .safetensors (letters, digits, '_', '-', '.'; no path)"
+        )
+    if not (file.parent / name).is_file():
+        raise ConfigError(f"{file}: policy.retention.file={name!r} does not exist in {file.parent}")
 
 
 def compression_config_of(policy: dict[str, Any] | None) -> CompressionTrainConfig:
@@ -150,9 +195,41 @@ def compression_config_of(policy: dict[str, Any] | None) -> CompressionTrainConf
     return CompressionTrainConfig.from_dict(section)
 
 
-def compressor_from_policy(policy: dict[str, Any] | None):
+def compressor_from_policy(
+    policy: dict[str, Any] | None,
+    export_dir: str | Path | None = None,
+    *,
+    shape: tuple[int, int, int] | None = None,
+):
     """The KV compressor a policy describes: exactly the one its run trained with
-    (:func:`unicache_train.inloop.build_compressor`); the identity for None / ``"none"``."""
+    (:func:`unicache_train.inloop.build_compressor`); the identity for None / ``"none"``.
+
+    A learned retention policy's weights are read from ``export_dir`` (the file the policy
+    names, :func:`~unicache_train.compress.retention.read_retention`; eval mode: the hard
+    selection at the byte target), checked against ``shape`` = (layers, kv_heads, head_dim)
+    when given.
+
+    Raises:
+        ConfigError: the policy needs its retention weights and ``export_dir`` is None, or the
+            file is not a retention policy that fits (one line naming the file).
+    """
     from unicache_train.inloop import build_compressor
 
-    return build_compressor(compression_config_of(policy))
+    config = compression_config_of(policy)
+    if not uses_retention(policy):
+        return build_compressor(config)
+    from unicache_train.compress.retention import read_retention
+
+    entry = policy.get("retention") if isinstance(policy, dict) else None
+    name = entry.get("file") if isinstance(entry, dict) else None
+    if export_dir is None or not isinstance(name, str) or not _FILE_NAME.match(name):
+        raise ConfigError(
+            "a learned retention policy needs its weights: pass the export directory "
+            "(compressor_from_policy(read_policy(DIR), DIR)) of a policy naming its file "
+            f"(policy.retention={entry!r})"
+        )
+    try:
+        retention = read_retention(Path(export_dir) / name, shape)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    return build_compressor(config, retention=retention)

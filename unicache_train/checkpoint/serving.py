@@ -341,6 +341,7 @@ def write_export_dir(
     source: Any,
     *,
     compression_policy: dict[str, Any] | None = None,
+    retention: dict[str, Any] | None = None,
     remote_code: Sequence[Path] = (),
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
@@ -351,21 +352,47 @@ def write_export_dir(
     is never served with these weights), the tokenizer / generation config / chat template
     (:func:`write_serving_files`) and the checksum manifest serving verifies.
 
+    A policy whose selection is a learned retention policy (``unicache.selection.method ==
+    "retention"``) needs its weights: ``retention`` (the model's
+    :func:`~unicache_train.compress.retention.retention_state`) goes to
+    ``kv_retention.safetensors`` and the policy names that file (``"retention": {"file": ...}``).
+    A model's retention weights are not written when the policy does not use them.
+
     Returns:
         ``out_dir`` as a :class:`Path`.
+
+    Raises:
+        ValueError: the policy uses a learned retention policy and ``retention`` is None.
     """
     from safetensors.torch import save_file
 
     from unicache_train.checkpoint.integrity import write_manifest
-    from unicache_train.checkpoint.policy import COMPRESSION_CONFIG, write_compression_config
+    from unicache_train.checkpoint.policy import (
+        COMPRESSION_CONFIG,
+        uses_retention,
+        write_compression_config,
+    )
+    from unicache_train.compress.retention import RETENTION_FILE
 
     out = Path(out_dir)
+    if uses_retention(compression_policy) and retention is None:
+        raise ValueError(
+            "the compression policy selects with a learned retention policy "
+            "(unicache.selection.method='retention') but the model has none (model."
+            "kv_retention): export the model the run trained, or a policy without it"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     save_file(state_dict, str(out / "model.safetensors"), metadata={"format": "pt"})
     for file in remote_code:
         shutil.copyfile(file, out / file.name)
+    (out / RETENTION_FILE).unlink(missing_ok=True)  # never a stale policy's weights
     if compression_policy is not None:
+        if uses_retention(compression_policy):
+            save_file(
+                retention, str(out / RETENTION_FILE), metadata={"format": "unicache_retention"}
+            )
+            compression_policy = {**compression_policy, "retention": {"file": RETENTION_FILE}}
         write_compression_config(compression_policy, out)
     else:
         (out / COMPRESSION_CONFIG).unlink(missing_ok=True)

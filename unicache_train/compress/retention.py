@@ -79,6 +79,8 @@ __all__ = [
     "attach_retention",
     "save_retention",
     "load_retention",
+    "read_retention",
+    "retention_state",
     "RETENTION_FILE",
     "retention_logits",
     "RETENTION_ATTR",
@@ -214,6 +216,64 @@ def load_retention(model: nn.Module, path: str | Path) -> RetentionPolicy:
         raise ValueError(f"{path}: retention tensors {got} do not fit the model's {want}")
     policy.load_state_dict(state, strict=True)
     return policy
+
+
+def retention_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The model's retention policy as fp32 CPU tensors (``weight``, ``bias``), the form an
+    export writes to :data:`RETENTION_FILE`; None when the model has none."""
+    policy = getattr(model, RETENTION_ATTR, None)
+    if not isinstance(policy, RetentionPolicy):
+        return None
+    return {k: v.detach().float().cpu().contiguous() for k, v in policy.state_dict().items()}
+
+
+def read_retention(path: str | Path, shape: tuple[int, int, int] | None = None) -> RetentionPolicy:
+    """A standalone :class:`RetentionPolicy` (eval mode) from a :func:`save_retention` file:
+    what a serving side holds beside a model that has no ``kv_retention`` submodule (a stock
+    transformers model, an export imported with :func:`~unicache_train.checkpoint.hf.import_hf`).
+
+    Args:
+        path: the safetensors file.
+        shape: ``(layers, kv_heads, head_dim)`` the policy must have (the model it serves);
+            None: whatever the file holds.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a retention file (other tensors, other ranks, non-float or non-finite
+            values, another shape than ``shape``): one line naming the file and what is wrong.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"retention policy not found: {path}")
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+    if set(state) != {"weight", "bias"}:
+        raise ValueError(
+            f"{path}: tensors {sorted(state)}; a retention policy has ['bias', 'weight']"
+        )
+    w, b = state["weight"], state["bias"]
+    if w.dim() != 3 or b.shape != w.shape[:2] or min(w.shape) < 1:
+        raise ValueError(
+            f"{path}: weight {list(w.shape)} and bias {list(b.shape)}; expected weight "
+            "[layers, kv_heads, head_dim] and bias [layers, kv_heads]"
+        )
+    if not (w.is_floating_point() and b.is_floating_point()):
+        raise ValueError(f"{path}: weight {w.dtype} / bias {b.dtype}; expected floating point")
+    if not (torch.isfinite(w).all() and torch.isfinite(b).all()):
+        raise ValueError(f"{path}: the retention weights hold NaN or infinite values")
+    if shape is not None and tuple(w.shape) != tuple(shape):
+        raise ValueError(
+            f"{path}: a policy of {tuple(w.shape)} (layers, kv_heads, head_dim) does not fit "
+            f"the model's {tuple(shape)}"
+        )
+    policy = RetentionPolicy(*(int(n) for n in w.shape))
+    policy.load_state_dict({"weight": w.float(), "bias": b.float()}, strict=True)
+    return policy.eval()
 
 
 def _prior(state: CompressionState, sel: SelectionConfig) -> torch.Tensor:

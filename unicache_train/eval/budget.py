@@ -24,6 +24,8 @@ __all__ = [
     "rate_for_reduction",
     "unicache_at_rate",
     "text_unicache",
+    "selection_unicache",
+    "unicache_compressor",
 ]
 
 _BITS = {"none": None, "int8": 8, "int4": 4}
@@ -127,3 +129,34 @@ def rate_for_reduction(
         else:
             hi, at_hi = mid, got
     return round(hi, 4), at_hi
+
+
+def selection_unicache(method: str, rate: float, quantize: str = "int4") -> Any:
+    """A fixed or learned selection's preset (``"sinks_recent"``, ``"snapkv"``,
+    ``"retention"``: :mod:`unicache_train.compress.presets`) at removal ``rate`` with
+    ``quantize`` storage: only the selection's ranking decides which tokens go."""
+    from unicache_train.compress.presets import PRESETS
+
+    if method not in ("sinks_recent", "snapkv", "retention"):
+        raise ValueError(
+            f"selection method={method!r} is not allowed; choose one of "
+            "['sinks_recent', 'snapkv', 'retention']"
+        )
+    return unicache_at_rate(PRESETS[method](), rate, quantize)
+
+
+def unicache_compressor(cfg: Any, model: Any = None) -> Any:
+    """``UniCacheCompressor(cfg)``; a learned retention selection uses ``model``'s policy
+    (``model.kv_retention``, in eval mode) or, for a model trained without one, a zero policy:
+    its prior's ranking (the training-free starting point)."""
+    from unicache_train.compress import UniCacheCompressor
+    from unicache_train.compress.retention import RETENTION_ATTR, RetentionPolicy
+
+    if cfg.selection.method != "retention":
+        return UniCacheCompressor(cfg)
+    policy = getattr(model, RETENTION_ATTR, None) if model is not None else None
+    if policy is None:
+        if model is None:
+            raise ValueError("a retention selection needs the model (its policy or its shape)")
+        policy = RetentionPolicy.for_model(model)
+    return UniCacheCompressor(cfg, retention=policy.eval())
