@@ -36,12 +36,16 @@ def load_config(path: Path = CONFIG) -> dict:
 
 # ------------------------------------------------------------------------------ models
 def find_models(cfg: dict) -> dict[str, Path | str]:
-    """``{"base": name, "control_seed0": export dir, ...}``: the fine-tunes exported so far."""
+    """``{"base": name, "control_seed0": export dir, ...}``: the fine-tunes exported so far.
+
+    An arm is a name (runs ``<evidence_dir>/<arm>_seed<k>``, export ``<arm>/export``) or a
+    mapping ``{name, dir, kind}`` (runs ``<dir>/<name>_seed<k>``, export ``<kind>/export``)."""
     models: dict[str, Path | str] = {"base": cfg["checkpoint"]}
-    root = ROOT / cfg["evidence_dir"]
     for arm in cfg["arms"]:
-        for run in sorted(root.glob(f"{arm}_seed*")):
-            export = run / arm / "export"
+        if isinstance(arm, str):
+            arm = {"name": arm, "dir": cfg["evidence_dir"], "kind": arm}
+        for run in sorted((ROOT / arm["dir"]).glob(f"{arm['name']}_seed*")):
+            export = run / arm["kind"] / "export"
             if (export / "config.json").is_file() and (export / "model.safetensors").is_file():
                 models[run.name] = export
     return models
@@ -61,19 +65,28 @@ def load_model(spec: Path | str):
 
     path = fetch(spec) if isinstance(spec, str) and spec in KNOWN else Path(spec)
     model, _ = import_hf(path)
+    retention = path / "kv_retention.safetensors"
+    if retention.is_file():  # a learned retention policy exported beside the weights
+        from unicache_train.compress.retention import load_retention
+
+        load_retention(model, retention)
     return model.float().eval(), path
 
 
 # ------------------------------------------------------------------------------ settings
 def calibrate(cfg: dict, model, tok, raw: Path) -> dict[str, float]:
     """Removal rate per UniCache setting at its target reduction, on the base (cached)."""
-    from unicache_train.compress import UniCacheCompressor
     from unicache_train.data.eval_text import eval_documents
-    from unicache_train.eval.budget import rate_for_reduction, text_unicache
+    from unicache_train.eval.budget import rate_for_reduction, unicache_compressor
     from unicache_train.eval.text import text_blocks
 
     path = raw / "calibration.json"
-    rates = json.loads(path.read_text()) if path.is_file() else {}
+    rates = {}
+    for shared in cfg.get("shared_raw", []):  # the same setting keeps the same rate
+        file = ROOT / shared / "calibration.json"
+        if file.is_file():
+            rates.update(json.loads(file.read_text()))
+    rates.update(json.loads(path.read_text()) if path.is_file() else {})
     todo = [n for n, s in cfg["settings"].items() if "reduction" in s and n not in rates]
     if not todo:
         return rates
@@ -88,7 +101,7 @@ def calibrate(cfg: dict, model, tok, raw: Path) -> dict[str, float]:
             model,
             ids,
             split,
-            lambda r, q=s["quantize"]: UniCacheCompressor(text_unicache(r, 0, q)),
+            lambda r, s=s: unicache_compressor(setting_config(s, r), model),
             float(s["reduction"]),
         )
         rates[name] = rate
@@ -98,16 +111,27 @@ def calibrate(cfg: dict, model, tok, raw: Path) -> dict[str, float]:
     return rates
 
 
-def compressor(cfg: dict, name: str, rates: dict[str, float]):
-    from unicache_train.compress import UniCacheCompressor
-    from unicache_train.eval.budget import text_unicache
+def setting_config(s: dict, rate: float):
+    """A setting's UniCache config at ``rate``: text-style UniCache, or a fixed / learned
+    selection (``selection: sinks_recent | snapkv | retention``), with ``quantize`` storage."""
+    from unicache_train.eval.budget import selection_unicache, text_unicache
+
+    if s.get("selection"):
+        return selection_unicache(s["selection"], rate, s["quantize"])
+    return text_unicache(rate, 0, s["quantize"])
+
+
+def compressor(cfg: dict, name: str, rates: dict[str, float], model=None):
+    """A setting's compressor; a retention setting uses ``model``'s policy (its prior, sinks +
+    recent, for a model trained without one)."""
+    from unicache_train.eval.budget import unicache_compressor
     from unicache_train.seam import IdentityCompressor
 
     s = cfg["settings"][name]
     if not s:
         return IdentityCompressor()
     rate = rates[name] if "reduction" in s else float(s["rate"])
-    return UniCacheCompressor(text_unicache(rate, 0, s["quantize"]))
+    return unicache_compressor(setting_config(s, rate), model)
 
 
 # ------------------------------------------------------------------------------ tasks
@@ -148,7 +172,7 @@ def run_cell(cfg, task, setting, model, tok, rates, out: Path, meta: dict) -> st
     from unicache_train.eval.text import run_text_perplexity
 
     t0 = time.time()
-    comp = compressor(cfg, setting, rates)
+    comp = compressor(cfg, setting, rates, model)
     if task == "ppl":
         blocks = ppl_blocks(cfg, tok)
         res = run_text_perplexity(model, blocks, int(cfg["perplexity"]["context"]), comp)
@@ -205,16 +229,28 @@ def run(cfg: dict) -> None:
     base_model, base_path, _ = get("base", cfg["checkpoint"])
     tok = load_tokenizer(str(base_path))
     rates = calibrate(cfg, base_model, tok, raw)
+    shared = [ROOT / d for d in cfg.get("shared_raw", [])]
+
+    def done(m: str, task: str, s: str) -> bool:
+        return any((d / m / f"{task}__{s}.jsonl").is_file() for d in [raw, *shared])
+
     while True:
         models = find_models(cfg)
+        # A cell is [task, setting] (every model) or [task, setting, [model prefixes]].
         todo = [
-            (task, s, m)
-            for task, s in cfg["order"]
+            (cell[0], cell[1], m)
+            for cell in cfg["order"]
             for m in models
-            if not (raw / m / f"{task}__{s}.jsonl").is_file()
+            if (len(cell) < 3 or any(m.startswith(p) for p in cell[2]))
+            and not done(m, cell[0], cell[1])
         ]
         if not todo:
-            break
+            missing = sorted(set(cfg.get("expect", [])) - set(models))
+            if not missing:
+                break
+            print(f"[{time.strftime('%H:%M:%S')}] waiting for {missing}", flush=True)
+            time.sleep(60)
+            continue
         task, setting, name = todo[0]
         model, path, sha = get(name, models[name])
         meta = {"model": name, "weights": str(path), "weights_sha256": sha}
