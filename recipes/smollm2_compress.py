@@ -2,6 +2,7 @@
 evaluated training-free, fine-tuned with compression in the loop, evaluated again.
 
     python recipes/smollm2_compress.py                                  # ~15 min on 2 cores
+                        # (the demo: base, control and learned retention at 8x, 12 steps, n=32)
     python recipes/smollm2_compress.py study.finetune="[control,compress]" study.num_recall=100
     python recipes/smollm2_compress.py --config my.yaml train.max_steps=80
 
@@ -347,6 +348,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     with torch.no_grad():
         settings = build_settings(model, calib, split, study)
     header = [f"command: python recipes/smollm2_compress.py {' '.join(args)}"]
+    if study.get("note"):
+        header.append(str(study["note"]))
     rows = []
     for path in study.get("include") or []:
         rows += read_results(path)  # rows of earlier runs (e.g. the base, evaluated once)
@@ -376,6 +379,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         del ft_model
     log(f"[{time.time() - t_start:.0f}s] done; results in {out}/results.csv, .md, .png")
     print((out / "results.md").read_text())
+    if study.get("note"):
+        print(study["note"])
     return rows
 
 
