@@ -335,15 +335,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     t_start = time.time()
     name = str(study["checkpoint"])
     ckpt_dir = fetch(name) if name in KNOWN else Path(name)
+    device = torch.device(str(study.get("device", "cpu")))  # where evaluation runs
     model, _ = import_hf(ckpt_dir)
+    model = model.to(device)
     family = checkpoint_family(ckpt_dir)
     tok = load_tokenizer(str(ckpt_dir))
     tasks = [RecallTask(**t) for t in study["tasks"]]
     fetch_eval_text()  # the held-out-by-source prose (a no-op once it is in the cache)
     blocks = text_blocks(tok, eval_documents(), int(study["text_block"]), int(study["text_blocks"]))
     ctx = int(study["text_context"])
-    calib = blocks[:2]
-    split = torch.full((calib.shape[0],), ctx, dtype=torch.long)
+    calib = blocks[:2].to(device)
+    split = torch.full((calib.shape[0],), ctx, dtype=torch.long, device=device)
     log(f"[{time.time() - t_start:.0f}s] calibrating settings on {tuple(calib.shape)} tokens")
     with torch.no_grad():
         settings = build_settings(model, calib, split, study)
@@ -371,6 +373,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             )
         log(f"[{time.time() - t_start:.0f}s] fine-tuning: {kind}")
         ft_model, export = finetune(kind, ckpt_dir, run, study, ft_cfg, out, family)
+        ft_model = ft_model.to(device)
         log(f"[{time.time() - t_start:.0f}s] exported {export}")
         rows += evaluate(
             ft_model, tok, f"{kind} fine-tune", settings, tasks, study, blocks, log, out

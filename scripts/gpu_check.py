@@ -36,6 +36,14 @@ summary table is printed at the end):
                          packed path (``benchmarks/bench_serving.py export-base``'s policy).
                          The dry run: 64-entry contexts, the kernel under the interpreter, a
                          tiny random Llama export with the same policy.
+7. ``gpu_retention.csv`` the learned-retention comparison at 8x with the budget the CPU could
+                         not afford: the main recipe (``recipes/smollm2_compress.py``) on the GPU,
+                         a control fine-tune and a learned retention + int4 8x fine-tune of
+                         ``RETENTION_STEPS`` steps each (the CPU study ran 30), then 8-pair
+                         recall (n = 200, held-out seeds) and held-out perplexity of both with
+                         sinks + recent, SnapKV-style and the learned policy at 8x. One row per
+                         (model, setting). Needs SmolLM2 fetched (else skipped). The dry run:
+                         the same recipe on a tiny random export (2 steps, 2 prompts) on CPU.
 
 Conventions (benchmarks/bench_common.py, benchmarks/bench_sinkhorn.py): every ratio is against a
 baseline timed in the same run; the cases of one setting are timed round-robin (one repeat of each
@@ -82,7 +90,9 @@ import torch
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
 RESULTS_DIR = SCRIPTS / "results"
-SECTIONS = ("tests", "sinkhorn", "mhc", "compress", "seam", "serving")
+SECTIONS = ("tests", "sinkhorn", "mhc", "compress", "seam", "serving", "retention")
+#: Section 7's fine-tune length on the GPU (the CPU study: 30 steps per arm).
+RETENTION_STEPS = 300
 
 # Columns of each CSV (after ``status`` and before ``error``); the test checks them.
 COLUMNS = {
@@ -97,6 +107,8 @@ COLUMNS = {
     "ratio_vs_plain peak_mib peak_ratio_vs_plain note".split(),
     "serving": "kind context batch_size heads kv_heads head_dim dtype case median_ms min_ms "
     "ratio_vs_plain tokens_per_s kv_mib note".split(),
+    "retention": "model method target_reduction kv_reduction steps task recall recall_se n ppl "
+    "ppl_delta wall_s note".split(),
 }
 # The ratio columns that must be finite on an ``ok`` row.
 RATIO_COLUMNS = {
@@ -998,6 +1010,86 @@ def _serving_generate(ctx: SimpleNamespace) -> list[dict]:
 # driver
 # --------------------------------------------------------------------------------------------
 
+# --------------------------------------------------------------------------------------------
+# 7. the learned-retention comparison, longer than the CPU allows
+# --------------------------------------------------------------------------------------------
+
+
+def _tiny_export(work: Path) -> Path:
+    """A tiny random Llama export with our byte tokenizer (the dry run's checkpoint)."""
+    from unicache_train.checkpoint.hf import export_hf
+    from unicache_train.model import Decoder
+    from unicache_train.model.config import ModelConfig
+
+    torch.manual_seed(0)
+    model = Decoder(
+        ModelConfig(
+            vocab_size=260,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+        )
+    )
+    return export_hf(model, work / "tiny", tokenizer_from="byte")
+
+
+def section_retention(ctx: SimpleNamespace) -> list[dict]:
+    from unicache_train.eval.report import read_results
+
+    work = Path(tempfile.mkdtemp(prefix="gpu_retention_"))
+    if ctx.dry_run:
+        ckpt, steps = str(_tiny_export(work)), 2
+        extra = ["study.num_recall=2", "study.text_blocks=2", "data.seq_len=96"]
+        extra += ["train.accelerator=cpu", "study.threads=1"]
+    else:
+        from unicache_train.checkpoint.gguf import fetched_dir
+
+        ckpt, steps = str(fetched_dir("smollm2")), RETENTION_STEPS
+        if not (Path(ckpt) / "config.json").is_file():
+            raise Skip(f"{ckpt} is not fetched (make fetch)")
+        extra = ["study.num_recall=200", "study.text_blocks=24", "train.accelerator=gpu"]
+        extra += ["train.precision=bf16-mixed", "study.threads=8", "study.device=cuda"]
+    out = work / "run"
+    cmd = [
+        sys.executable,
+        str(REPO / "recipes" / "smollm2_compress.py"),
+        f"study.checkpoint={ckpt}",
+        f"study.out_dir={out}",
+        "study.settings=[sinks_recent_q4@8,snapkv_q4@8,retention_q4@8]",
+        "study.finetune=[control,compress]",
+        "study.finetune_setting=retention_q4@8",
+        "study.evaluate_base=false",
+        f"train.max_steps={steps}",
+        *extra,
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=ctx.child_env, capture_output=True, text=True, timeout=360
+    )
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"the recipe exited {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}"
+        )
+    rows = []
+    for r in read_results(out / "results.csv"):
+        rows.append(
+            {
+                "status": "ok",
+                **{k: r.get(k) for k in COLUMNS["retention"] if k in r},
+                "steps": steps,
+                "wall_s": f"{wall:.0f}",
+                "note": "learned retention + int4 8x in the loop"
+                if r["model"].startswith("compress")
+                else "",
+            }
+        )
+    return rows
+
+
 RUNNERS = {
     "tests": section_tests,
     "sinkhorn": section_sinkhorn,
@@ -1005,6 +1097,7 @@ RUNNERS = {
     "compress": section_compress,
     "seam": section_seam,
     "serving": section_serving,
+    "retention": section_retention,
 }
 
 

@@ -91,6 +91,10 @@ def test_dry_run_writes_every_section(tmp_path):
     gen = [r for r in serving if r["kind"] == "generate"]
     assert [r["case"] for r in gen] == ["plain_dynamic_cache", "compressed_packed"] * 2
     assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 for r in gen), gen
+    _, _, ret = _read(tmp_path / "gpu_retention.csv")  # the recipe ran: both fine-tunes, 8x
+    assert {r["model"] for r in ret} == {"control fine-tune", "compress fine-tune"}
+    assert {r["method"] for r in ret} == {"none", "sinks_recent_q4", "snapkv_q4", "retention_q4"}
+    assert all(abs(float(r["kv_reduction"]) - 8) < 0.5 for r in ret if r["method"] != "none")
 
 
 def test_dry_run_refuses_the_committed_results_dir():
