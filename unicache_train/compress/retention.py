@@ -18,24 +18,30 @@ the kept fraction to the target. Ours is the same idea behind the UniCache seam:
   modality), so the byte target is met exactly, with the same budgets, protection and
   quantization as every other scorer, and the same ``rate_realized``/``budget_shortfall`` and
   ``kv_reduction`` accounting.
-* **Training** (``SelectionConfig.relaxation``):
+* **Training** (``SelectionConfig.relaxation``). The gate reads the logit centred on the hard
+  selection's threshold, ``zc_t = z_t - theta_b`` (``theta_b`` midway between the lowest kept
+  and the highest evicted logit of sample b at the byte target, no gradient): ``alpha_t > 1/2``
+  exactly on the tokens inference keeps, from the first step. (Uncentred, the prior's logits
+  ``4 (p_t - 1)`` gave a soft kept fraction of 0.27 where the 8x target keeps 0.47 on SmolLM2:
+  the relaxed forward dropped far more than inference would, and the budget term moves the
+  offset by about ``lr`` per step.)
 
   - ``"gumbel_sigmoid"`` (DMS): every context token stays in the segment with the soft weight
-    ``alpha_t = sigmoid((z_t + g_t) / tau)``, ``g_t`` logistic noise; attention adds
+    ``alpha_t = sigmoid((zc_t + g_t) / tau)``, ``g_t`` logistic noise; attention adds
     ``log(alpha_t)`` to the token's logit (a segment entry's ``count``: a token kept at
     ``alpha`` stands for ``alpha`` of itself), so the loss reaches ``z`` and the model through
     every token, evicted or not. The forward differs from inference (soft vs hard).
   - ``"st_topk"``: a hard selection at the byte target (the forward stores inference's
     bytes), ranked by ``z_t + tau * g_t`` (Gumbel top-k: the noise keeps an evicted token now
     and then), each kept entry's count ``1 + alpha_t - sg(alpha_t)`` with
-    ``alpha_t = sigmoid(z_t / tau)``: a straight-through gate, so the loss reaches the logits
+    ``alpha_t = sigmoid(zc_t / tau)``: a straight-through gate, so the loss reaches the logits
     of the kept tokens only (a token never sampled learns only from the budget term).
 
   Both add the **budget term** ``budget_weight * mean_b (soft_kept_b - kept_b)^2`` to the
   objective (the ``aux_loss`` stat, which :func:`unicache_train.inloop.inloop_loss` adds), where
   ``soft_kept_b`` is the mean ``alpha`` over sample b's context and ``kept_b`` the fraction the
-  hard selection keeps at the byte target: it calibrates ``z`` so that ``alpha`` says "kept"
-  where the hard selection keeps.
+  hard selection keeps at the byte target: it calibrates the spread of ``zc`` so that the soft
+  mass matches the hard selection's.
 
 Stats per layer (logged as ``compress/<name>`` and per layer): ``retention_kept`` (soft kept
 fraction in training, the hard one at inference), ``retention_budget_loss`` (unweighted) and
@@ -335,6 +341,19 @@ def _logistic_like(x: torch.Tensor) -> torch.Tensor:
     return torch.log(u) - torch.log1p(-u)
 
 
+def _threshold(z: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tensor:
+    """[B] the hard selection's logit threshold: midway between the lowest kept and the
+    highest evicted context logit (nothing evicted: ``4 tau`` below the lowest kept, whose gate
+    is then ~0.98)."""
+    inf = torch.full_like(z, float("inf"))
+    low_kept = torch.where(kept & mask, z, inf).amin(1)
+    high_evicted = torch.where(mask & ~kept, z, -inf).amax(1)
+    low_kept = torch.where(torch.isfinite(low_kept), low_kept, torch.zeros_like(low_kept))
+    return torch.where(
+        torch.isfinite(high_evicted), 0.5 * (low_kept + high_evicted), low_kept - 4.0 * tau
+    )
+
+
 def _entry_tokens(kept: torch.Tensor, M: int) -> torch.Tensor:
     """[B, T] bool kept tokens -> [B, M] their token indices in token order (the merge/evict
     step's entry order), padding entries pointing at unkept tokens."""
@@ -377,8 +396,13 @@ class RetentionGate(SelectionConfig):
             state.stats["retention_kept"] = kept.mean().detach()
             return state
         tau = self.temperature
+        kept_tok = state.plan.kept if state.plan is not None else mask
+        # The gate is centred on the hard selection's threshold (between the lowest kept and
+        # the highest evicted logit, no gradient): alpha > 1/2 exactly where inference keeps,
+        # so the relaxed forward describes the byte target's selection from the first step.
+        zc = z - _threshold(z.detach(), kept_tok, mask, tau)[:, None]
         if self.relaxation == "gumbel_sigmoid":
-            alpha = torch.sigmoid((z + _logistic_like(z)) / tau)  # [B, T]
+            alpha = torch.sigmoid((zc + _logistic_like(zc)) / tau)  # [B, T]
             # Every context token, weighted by its gate (attention adds log(alpha)).
             seg = identity_segment(
                 state.inp,
@@ -392,8 +416,7 @@ class RetentionGate(SelectionConfig):
             # rate_realized and kv_reduction say so; `relaxed` marks it (no shortfall warning).
             state.stats["relaxed"] = torch.ones((), device=z.device)
         else:
-            alpha = torch.sigmoid(z / tau)
-            kept_tok = state.plan.kept if state.plan is not None else mask
+            alpha = torch.sigmoid(zc / tau)
             idx = _entry_tokens(kept_tok, seg.valid.shape[1])  # [B, M]
             a = alpha.gather(1, idx)
             gate = torch.where(seg.valid, a - a.detach(), torch.zeros_like(a))
