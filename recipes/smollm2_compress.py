@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from unicache_train.commandline import pop_config_path
-from unicache_train.validation import ConfigError, apply_overrides, load_yaml
+from unicache_train.validation import ConfigError, apply_overrides, deep_merge, load_yaml
 
 DEFAULT_YAML = Path(__file__).with_suffix(".yaml")
 
@@ -275,7 +275,9 @@ def finetune(
     if kind == "compress":
         comp["method"] = "unicache"
         comp["preset"] = "text_style_baseline"
-        comp["unicache"] = method_cfg.to_dict()
+        # The calibrated setting, with the user's compress.unicache overrides on top (e.g.
+        # compress.unicache.selection.lr_scale=300); the calibrated rate unless one is given.
+        comp["unicache"] = deep_merge(method_cfg.to_dict(), comp.get("unicache") or {})
     else:
         comp["method"] = "none"
     config = prepare_hf_run(ckpt_dir, run)
