@@ -38,6 +38,7 @@ ARM_TITLE = {
     "sinks_recent_q4": "(c) sinks + recent + int4 8x in the loop",
     "snapkv_q4": "(c) SnapKV-style + int4 8x in the loop",
     "retention_q4": "(d) learned retention + int4 8x in the loop",
+    "retention_lr300_q4": "(d') the same, policy lr 300x train.lr",
 }
 FIXED_8X = ["unicache_int4_8x", "sinks_int4_8x", "snapkv_int4_8x"]
 COLUMNS = [
@@ -56,6 +57,7 @@ OWN_8X = {
     "sinks_recent_q4": "sinks_int4_8x",
     "snapkv_q4": "snapkv_int4_8x",
     "retention_q4": "retention_int4_8x",
+    "retention_lr300_q4": "retention_int4_8x",
 }
 
 
@@ -99,13 +101,14 @@ def _acc(rows: list[dict], meta: dict) -> str:
 
 def _test_row(label: str, a: list[bool], b: list[bool], rows: list[dict], **extra) -> str:
     t = mcnemar_exact(a, b)
+    diff = (t.a_hits - t.b_hits) / t.n  # A - B (McNemar's `difference` is B - A)
     rows.append(
         {
             "comparison": label,
             "n": t.n,
             "a": t.a_hits / t.n,
             "b": t.b_hits / t.n,
-            "difference": t.difference,
+            "difference": diff,
             "only_a": t.only_a,
             "only_b": t.only_b,
             "p": t.p_value,
@@ -115,7 +118,7 @@ def _test_row(label: str, a: list[bool], b: list[bool], rows: list[dict], **extr
     inside = " (inside the noise)" if t.p_value >= 0.05 else ""
     return (
         f"| {label} | {t.n} | {t.a_hits / t.n:.3f} | {t.b_hits / t.n:.3f} | "
-        f"{100 * t.difference:+.1f}{inside} | {t.only_a} / {t.only_b} | {format_p(t.p_value)} |"
+        f"{100 * diff:+.1f}{inside} | {t.only_a} / {t.only_b} | {format_p(t.p_value)} |"
     )
 
 
@@ -140,7 +143,15 @@ def write_table(cfg: dict, out_dir: Path = HERE) -> Path:
     raw = ROOT / cfg["raw_dir"]
     dirs = [raw, *(ROOT / d for d in cfg.get("shared_raw", []))]
     cells = load(dirs)
-    order = ["base", "control", "unicache_q4", "sinks_recent_q4", "snapkv_q4", "retention_q4"]
+    order = [
+        "base",
+        "control",
+        "unicache_q4",
+        "sinks_recent_q4",
+        "snapkv_q4",
+        "retention_q4",
+        "retention_lr300_q4",
+    ]
     models = sorted(
         {m for m, _, _ in cells if arm_of(m) in order},
         key=lambda m: (order.index(arm_of(m)), m),
@@ -222,45 +233,70 @@ def write_table(cfg: dict, out_dir: Path = HERE) -> Path:
     return out_dir / "results.md"
 
 
+def _rows(cells, model: str, setting: str) -> list[dict] | None:
+    c = cells.get((model, "recall8", setting))
+    return c[0] if c else None
+
+
 def _seeds(models: list[str], arm: str) -> list[str]:
     return [m for m in models if arm_of(m) == arm]
 
 
+LEARNED = ("retention_q4", "retention_lr300_q4")
+
+
 def decisive(cells, models, csv_rows, kvpress) -> list[str]:
-    """(d) against (a), (b), (c) and its own prior, at 8x, per seed and pooled."""
+    """Each learned arm against (a), (b), (c) and its own prior, at 8x, per seed and pooled."""
     md = [
         "",
         "## The decisive comparisons at 8x (8-pair recall, exact McNemar on the same prompts)",
         "",
-        "A = learned retention + int4 8x in the loop, evaluated with its policy; B = the other "
-        "arm. Seed k of A is paired with seed k of B (or B's only seed); pooled = the pairs of "
-        "both seeds together. The best setting of (a) and (b) is chosen after the fact (it "
-        "favours the baseline).",
+        "A = a learned retention arm (+ int4 8x in the loop), evaluated with its policy; B = the "
+        "other arm. Seed k of A is paired with seed k of B (or B's only seed); pooled = the "
+        "pairs of both seeds together. The best setting of (a) and (b) is chosen after the fact "
+        "(it favours the baseline).",
+    ]
+    for arm in LEARNED:
+        if _seeds(models, arm):
+            md += _decisive_arm(arm, cells, models, csv_rows, kvpress)
+    return md
+
+
+def _decisive_arm(learned, cells, models, csv_rows, kvpress) -> list[str]:
+    md = [
+        "",
+        f"### A = {learned} ({ARM_TITLE[learned]})",
         "",
         "| comparison | pairs | A | B | A - B (pts) | only A / only B | p |",
         "|---|---|---|---|---|---|---|",
     ]
-    ret = _seeds(models, "retention_q4")
-    if not ret:
-        return md + ["", "(no learned-retention cells yet)"]
+    ret = _seeds(models, learned)
 
     def a_rows(m):
         c = cells.get((m, "recall8", "retention_int4_8x"))
         return c[0] if c else None
 
-    def compare(label: str, b_of) -> None:
+    def compare(label: str, b_of, b_models) -> None:
+        """``b_of(k)``: B's rows for A's seed k; ``b_models(k)``: B's model. Pooled only when
+        each A seed meets another B model (a B model used twice is not independent pairs)."""
         pooled_a: list[bool] = []
         pooled_b: list[bool] = []
+        used = []
         for k, m in enumerate(ret):
             a, b = a_rows(m), b_of(k)
             if a is None or b is None:
                 continue
             x, y = _pairs(a, b)
-            md.append(_test_row(f"{label}, seed {k}", x, y, csv_rows, kind="test"))
+            md.append(_test_row(f"{label}, seed {k}", x, y, csv_rows, kind="test", arm=learned))
             pooled_a += x
             pooled_b += y
-        if len(ret) > 1 and pooled_a and len(pooled_a) > len(x):
-            md.append(_test_row(f"{label}, pooled", pooled_a, pooled_b, csv_rows, kind="test"))
+            used.append(b_models(k))
+        if len(used) > 1 and len(set(used)) == len(used):
+            md.append(
+                _test_row(
+                    f"{label}, pooled", pooled_a, pooled_b, csv_rows, kind="test", arm=learned
+                )
+            )
 
     # (a) the base's best training-free setting at 8x, ours and kvpress's
     base = {
@@ -269,7 +305,7 @@ def decisive(cells, models, csv_rows, kvpress) -> list[str]:
     base.update(kvpress)
     if base:
         best = max(base, key=lambda s: sum(r["correct"] for r in base[s]))
-        compare(f"vs (a) base, best training-free ({best})", lambda k: base[best])
+        compare(f"vs (a) base, best training-free ({best})", lambda k: base[best], lambda k: "base")
     # (b) the control fine-tune with its best compressor at 8x (pooled over its seeds)
     ctrl = _seeds(models, "control")
     scores = {
@@ -281,7 +317,8 @@ def decisive(cells, models, csv_rows, kvpress) -> list[str]:
         best_c = max(scores, key=scores.get)
         compare(
             f"vs (b) control + {best_c}",
-            lambda k: cells[(ctrl[min(k, len(ctrl) - 1)], "recall8", best_c)][0],
+            lambda k: _rows(cells, ctrl[min(k, len(ctrl) - 1)], best_c),
+            lambda k: ctrl[min(k, len(ctrl) - 1)],
         )
     # (c) each fixed selection trained in the loop, with its own compressor
     for arm in ("unicache_q4", "sinks_recent_q4", "snapkv_q4"):
@@ -290,13 +327,15 @@ def decisive(cells, models, csv_rows, kvpress) -> list[str]:
         if fixed and all((m, "recall8", own) in cells for m in fixed):
             compare(
                 f"vs (c) {arm} in the loop",
-                lambda k, f=fixed, o=own: cells[(f[min(k, len(f) - 1)], "recall8", o)][0],
+                lambda k, f=fixed, o=own: _rows(cells, f[min(k, len(f) - 1)], o),
+                lambda k, f=fixed: f[min(k, len(f) - 1)],
             )
     # the learned part itself: the same weights ranked by the prior (sinks + recent)
     if all((m, "recall8", "sinks_int4_8x") in cells for m in ret):
         compare(
             "vs its own prior (same weights, sinks + recent + int4 8x)",
-            lambda k: cells[(ret[k], "recall8", "sinks_int4_8x")][0],
+            lambda k: _rows(cells, ret[k], "sinks_int4_8x"),
+            lambda k: ret[k],
         )
     return md
 
@@ -309,7 +348,7 @@ def targets(cells, models, csv_rows) -> list[str]:
         "| target | figure | met? |",
         "|---|---|---|",
     ]
-    for m in _seeds(models, "retention_q4"):
+    for m in [m for arm in LEARNED for m in _seeds(models, arm)]:
         for red, need, s in ((8, 0.90, "retention_int4_8x"), (16, 0.75, "retention_int4_16x")):
             c, u = cells.get((m, "recall8", s)), cells.get((m, "recall8", "none"))
             if not (c and u):
@@ -327,12 +366,25 @@ def targets(cells, models, csv_rows) -> list[str]:
                 f"| {m}: held-out perplexity at 8x within 5% | {100 * rel:+.1f}% | "
                 f"{'met' if rel <= 0.05 else 'missed'} |"
             )
-    tests = [r for r in csv_rows if r.get("kind") == "test" and "pooled" in r["comparison"]]
-    for r in tests:
-        ok = r["p"] < 0.01 and r["difference"] > 0
+    # One line per (arm, comparison): the pooled test where there is one, else every seed's
+    # test must pass on its own (B was a single model).
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in csv_rows:
+        if r.get("kind") == "test":
+            base_label = r["comparison"].rsplit(", ", 1)[0]
+            groups.setdefault((r["arm"], base_label), []).append(r)
+    for (arm, label), rs in groups.items():
+        pooled = [r for r in rs if r["comparison"].endswith("pooled")]
+        use = pooled or rs
+        ok = all(r["p"] < 0.01 and r["difference"] > 0 for r in use)
+        figure = "; ".join(
+            f"{r['comparison'].rsplit(', ', 1)[1]} {100 * r['difference']:+.1f} pts, "
+            f"{format_p(r['p'])}"
+            for r in use
+        )
         md.append(
-            f"| (d) better than {r['comparison'].removeprefix('vs ')}, paired p < 0.01 | "
-            f"{100 * r['difference']:+.1f} pts, {format_p(r['p'])} | {'met' if ok else 'missed'} |"
+            f"| {arm} better than {label.removeprefix('vs ')}, paired p < 0.01 | {figure} | "
+            f"{'met' if ok else 'missed'} |"
         )
     return md
 
