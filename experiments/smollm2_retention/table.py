@@ -190,6 +190,31 @@ def write_table(cfg: dict, out_dir: Path = HERE) -> Path:
                     }
                 )
         md.append("| " + " | ".join(line) + " |")
+    md += ["", "## The unseen recall format (sentences, 64 prompts a cell) at 8x", ""]
+    md += ["| model | setting | accuracy [95% Wilson] |", "|---|---|---|"]
+    for m in models:
+        for s in COLUMNS:
+            c = cells.get((m, "recall8_sentence", s))
+            if c and s != "none" and "_8x" in s:
+                md.append(f"| {m} | {s} | {_acc(*c)} |")
+    sentence = {}
+    for m in models:
+        c = cells.get((m, "recall8_sentence", "retention_int4_8x"))
+        if c and arm_of(m) in LEARNED:
+            k = m.rsplit("_seed", 1)[1]
+            b = cells.get((f"control_seed{k}", "recall8_sentence", "sinks_int4_8x"))
+            if b:
+                sentence[m] = _pairs(c[0], b[0])
+    if sentence:
+        md += [
+            "",
+            "| A vs B (same 64 prompts) | pairs | A | B | A - B (pts) | only A / only B | p |",
+        ]
+        md += ["|---|---|---|---|---|---|---|"]
+        for m, (x, y) in sentence.items():
+            k = m.rsplit("_seed", 1)[1]
+            label = f"{m} (learned) vs control_seed{k} + sinks_int4_8x, sentence format"
+            md.append(_test_row(label, x, y, csv_rows, kind="sentence_test"))
     md += ["", "## Perplexity on held-out prose (King James Bible), 24 blocks", ""]
     md += [
         "| model | setting | ppl | change vs its uncompressed [95% paired bootstrap] |",
