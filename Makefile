@@ -1,7 +1,7 @@
 # Two commands do all the set-up work on a fresh machine:
 #   make demo   # install into .venv and fetch SmolLM2-135M (first time), then the main job:
-#               # evaluate it under KV compression, fine-tune with compression in the loop,
-#               # evaluate again, print the table
+#               # SmolLM2 at 8x fewer KV bytes, a control and a learned-retention fine-tune,
+#               # evaluated before and after (a short version of experiments/smollm2_retention)
 #   make test   # install into .venv and fetch SmolLM2-135M (first time), then the test suite
 PYTHON ?= python3
 VENV   ?= .venv
