@@ -205,7 +205,9 @@ def test_soft_counts_agree_across_the_seam_kernels(monkeypatch) -> None:
 
 # ------------------------------------------------------------------ the budget term
 @pytest.mark.parametrize("relaxation", ["gumbel_sigmoid", "st_topk"])
-def test_budget_term_drives_the_kept_fraction_to_the_target(relaxation: str) -> None:
+def test_soft_kept_fraction_starts_and_stays_at_the_target_whatever_the_offset(
+    relaxation: str,
+) -> None:
     """The gate is centred on the hard selection's threshold, so an offset of the logits (bias
     +4 or -4: everything or nothing kept softly when uncentred) does not move the soft kept
     fraction off the byte target's (0.4 at rate 0.6) even at the first step, and 40 AdamW steps

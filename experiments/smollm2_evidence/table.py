@@ -62,7 +62,8 @@ def _correct(rows: list[dict]) -> dict[str, bool]:
     return {r["id"]: bool(r["correct"]) for r in rows}
 
 
-def _paired(a_rows, b_rows) -> tuple[list[bool], list[bool]]:
+def paired(a_rows, b_rows) -> tuple[list[bool], list[bool]]:
+    """Correctness of A and B on the prompt ids both answered, in A's order."""
     a, b = _correct(a_rows), _correct(b_rows)
     ids = [i for i in a if i in b]
     return [a[i] for i in ids], [b[i] for i in ids]
@@ -109,7 +110,7 @@ def kvpress_section(out_dir: Path, cells) -> list[str]:
             pred = out_dir / r.get("predictions", "")
             if mine and pred.is_file():
                 theirs = [json.loads(x) for x in pred.read_text().splitlines() if x.strip()]
-                a, b = _paired(theirs, mine[0])
+                a, b = paired(theirs, mine[0])
                 t = mcnemar_exact(a, b)
                 test = (
                     f"{100 * t.difference:+.1f} pts, {t.only_a} / {t.only_b}, {format_p(t.p_value)}"
@@ -237,7 +238,7 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
                     cells.get((f"compress_seed{k}", task, s)),
                 )
                 if a and b:
-                    x, y = _paired(a[0], b[0])
+                    x, y = paired(a[0], b[0])
                     md.append(
                         _mcnemar_line(f"{task} · {s}: control_seed{k} vs compress_seed{k}", x, y)
                     )
@@ -254,7 +255,7 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
                 if m != "base" and base and (m, task, s) in cells:
                     md.append(
                         _mcnemar_line(
-                            f"{task} · {s}: base vs {m}", *_paired(base[0], cells[(m, task, s)][0])
+                            f"{task} · {s}: base vs {m}", *paired(base[0], cells[(m, task, s)][0])
                         )
                     )
     # the same bytes bought with fewer bits only vs with eviction too, same model and prompts
@@ -264,7 +265,7 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
             if a and b:
                 md.append(
                     _mcnemar_line(
-                        f"{task} · {m}: int4_plain vs unicache_int4_4x", *_paired(a[0], b[0])
+                        f"{task} · {m}: int4_plain vs unicache_int4_4x", *paired(a[0], b[0])
                     )
                 )
     # what compression costs each model: uncompressed vs compressed, same model and prompts
@@ -275,7 +276,7 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
                 if s != "none" and ref and (m, task, s) in cells:
                     md.append(
                         _mcnemar_line(
-                            f"{task} · {m}: none vs {s}", *_paired(ref[0], cells[(m, task, s)][0])
+                            f"{task} · {m}: none vs {s}", *paired(ref[0], cells[(m, task, s)][0])
                         )
                     )
     md.append("")
@@ -318,7 +319,8 @@ def write_table(cfg: dict, raw: Path, out_dir: Path) -> Path:
     out_md.write_text("\n".join(md))
     keys = sorted(
         {k for r in csv_rows for k in r},
-        key=lambda k: list(csv_rows[0]).index(k) if k in csv_rows[0] else 99,
+        # the first row's order, then the other keys by name (a set's order changes per run)
+        key=lambda k: (list(csv_rows[0]).index(k) if k in csv_rows[0] else 99, k),
     )
     with (out_dir / "results.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)

@@ -24,6 +24,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
+from experiments.smollm2_evidence import table as evidence_table  # noqa: E402
+from experiments.smollm2_evidence.table import paired  # noqa: E402
 from unicache_train.eval.stats import (  # noqa: E402
     format_p,
     mcnemar_exact,
@@ -63,32 +65,14 @@ OWN_8X = {
 
 def load(dirs: list[Path]) -> dict[tuple[str, str, str], tuple[list[dict], dict]]:
     """``{(model, task, setting): (rows, meta)}``; the first directory holding a cell wins."""
-    out: dict = {}
-    for d in dirs:
-        for path in sorted(d.glob("*/*.jsonl")):
-            task, _, setting = path.stem.partition("__")
-            key = (path.parent.name, task, setting)
-            if key in out:
-                continue
-            rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-            meta_file = path.with_suffix(".meta.json")
-            meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-            out[key] = (rows, meta)
-    return out
+    cells: dict = {}
+    for d in reversed(dirs):
+        cells.update(evidence_table.load(d))
+    return cells
 
 
 def arm_of(model: str) -> str:
     return model.rsplit("_seed", 1)[0] if "_seed" in model else model
-
-
-def _correct(rows: list[dict]) -> dict[str, bool]:
-    return {r["id"]: bool(r["correct"]) for r in rows}
-
-
-def _pairs(a_rows: list[dict], b_rows: list[dict]) -> tuple[list[bool], list[bool]]:
-    a, b = _correct(a_rows), _correct(b_rows)
-    ids = [i for i in a if i in b]
-    return [a[i] for i in ids], [b[i] for i in ids]
 
 
 def _acc(rows: list[dict], meta: dict) -> str:
@@ -122,12 +106,13 @@ def _test_row(label: str, a: list[bool], b: list[bool], rows: list[dict], **extr
     )
 
 
-def kvpress_rows(evidence: Path) -> dict[str, list[dict]]:
-    """kvpress anchors on the base at 8x: ``{"SnapKV+int4": per-prompt rows, ...}``."""
+def kvpress_rows(path: Path) -> dict[str, list[dict]]:
+    """kvpress anchors on the base at 8x from their CSV (per-prompt JSONL files beside it):
+    ``{"kvpress SnapKV+int4": rows, ...}``."""
     out: dict[str, list[dict]] = {}
-    path = evidence / "kvpress_base.csv"
+    evidence = path.parent
     if not path.is_file():
-        return out
+        raise FileNotFoundError(f"kvpress anchors not found: {path} (study.yaml kvpress)")
     with path.open(newline="") as f:
         for r in csv.DictReader(x for x in f if not x.startswith("#")):
             if r.get("press") in ("", "none") or abs(float(r["target_reduction"] or 0) - 8) > 0.1:
@@ -204,7 +189,7 @@ def write_table(cfg: dict, out_dir: Path = HERE) -> Path:
             k = m.rsplit("_seed", 1)[1]
             b = cells.get((f"control_seed{k}", "recall8_sentence", "sinks_int4_8x"))
             if b:
-                sentence[m] = _pairs(c[0], b[0])
+                sentence[m] = paired(c[0], b[0])
     if sentence:
         md += [
             "",
@@ -247,7 +232,7 @@ def write_table(cfg: dict, out_dir: Path = HERE) -> Path:
                     }
                 )
             md.append(f"| {m} | {s} | {ppl:.3f} | {change} |")
-    md += decisive(cells, models, csv_rows, kvpress_rows(ROOT / cfg["shared_raw"][0]).items())
+    md += decisive(cells, models, csv_rows, kvpress_rows(ROOT / cfg["kvpress"]).items())
     md += targets(cells, models, csv_rows)
     (out_dir / "results.md").write_text("\n".join(md) + "\n")
     keys = sorted({k for r in csv_rows for k in r}, key=lambda k: (k != "kind", k))
@@ -311,7 +296,7 @@ def _decisive_arm(learned, cells, models, csv_rows, kvpress) -> list[str]:
             a, b = a_rows(m), b_of(k)
             if a is None or b is None:
                 continue
-            x, y = _pairs(a, b)
+            x, y = paired(a, b)
             md.append(_test_row(f"{label}, seed {k}", x, y, csv_rows, kind="test", arm=learned))
             pooled_a += x
             pooled_b += y

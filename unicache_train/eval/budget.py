@@ -158,5 +158,6 @@ def unicache_compressor(cfg: Any, model: Any = None) -> Any:
     if policy is None:
         if model is None:
             raise ValueError("a retention selection needs the model (its policy or its shape)")
-        policy = RetentionPolicy.for_model(model)
+        ref = next(model.parameters())
+        policy = RetentionPolicy.for_model(model).to(ref.device)  # the keys' device
     return UniCacheCompressor(cfg, retention=policy.eval())
