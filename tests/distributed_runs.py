@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -153,6 +154,21 @@ def fabric_run(
         timeout=900,
         env=env,
         cwd=ROOT,
+    )
+
+
+_FAILURE_LINE = re.compile(r"terminate called|what\(\)|Abort|SIG[A-Z]{3,}|Error|error:|Fatal")
+
+
+def failure_report(proc: subprocess.CompletedProcess) -> str:
+    """What a failed ``fabric run`` printed, for an assertion message: every line that names an
+    error or a signal (from any rank, wherever it is in the output: a rank that aborts first is
+    usually not the one whose traceback ends the log), then the tails of stdout and stderr."""
+    lines = (proc.stdout + "\n" + proc.stderr).splitlines()
+    flagged = list(dict.fromkeys(line for line in lines if _FAILURE_LINE.search(line)))
+    return "\n".join(
+        [f"exit code {proc.returncode}; lines naming an error or a signal:", *flagged[:60]]
+        + ["--- stdout tail ---", proc.stdout[-2000:], "--- stderr tail ---", proc.stderr[-4000:]]
     )
 
 

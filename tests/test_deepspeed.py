@@ -24,9 +24,7 @@ Tolerances (fp32 everywhere):
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -52,7 +50,8 @@ from unicache_train.validation import ConfigError, apply_overrides
 
 pytest.importorskip("deepspeed")
 
-from distributed_runs import DRIVER, MODEL, ROOT, run_overrides  # noqa: E402
+import distributed_runs  # noqa: E402
+from distributed_runs import MODEL, run_overrides  # noqa: E402
 
 STEPS = 8
 LOSS_ATOL = 1e-4
@@ -65,28 +64,8 @@ def overrides(out_dir: Path, *extra: str, batch_size: int = 4) -> list[str]:
 
 
 def fabric_run(strategy: str, record: Path, args: list[str]) -> subprocess.CompletedProcess:
-    fabric = Path(sys.executable).with_name("fabric")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [
-            str(fabric),
-            "run",
-            "--accelerator",
-            "cpu",
-            "--devices",
-            "2",
-            "--strategy",
-            strategy,
-            str(DRIVER),
-            str(record),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=ROOT,
-    )
+    """2 processes on this machine, rendezvous on a free port."""
+    return distributed_runs.fabric_run(2, record, args, strategy=strategy)
 
 
 def read_record(path: Path, world_size: int = 2) -> dict[int, float]:
@@ -100,7 +79,7 @@ def read_record(path: Path, world_size: int = 2) -> dict[int, float]:
 
 
 def _check(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, distributed_runs.failure_report(proc)
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ import pytest
 import torch
 from distributed_runs import (  # noqa: E402  (tests/ is on sys.path under pytest)
     fabric_run,
+    failure_report,
     launch_nodes,
     mean_losses,
     read_rows,
@@ -113,7 +114,7 @@ def test_two_node_checkpoint_resumes_on_one_process(two_nodes, tmp_path):
     start = two_nodes["out"] / "checkpoints" / "step000002.ckpt"
     record = tmp_path / "record.jsonl"
     proc = fabric_run(1, record, overrides(tmp_path / "run", f"train.resume={start}", batch_size=8))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, failure_report(proc)
     assert "written by 2 ranks; this run has 1" in proc.stdout + proc.stderr  # re-sharded
     assert has_universal_checkpoint(start) and zero_world_size(start) == 2  # shards untouched
     resumed = mean_losses(record, world_size=1)

@@ -376,11 +376,8 @@ def test_zero2_trains_the_policy_and_consolidates_it(tmp_path: Path) -> None:
     """ZeRO-2 on 2 CPU processes (tests/test_deepspeed.py's harness): the policy's parameters
     are sharded, trained and consolidated like every model parameter."""
     pytest.importorskip("deepspeed")
-    import os
-    import subprocess
-    import sys
 
-    from distributed_runs import DRIVER, MODEL, ROOT, run_overrides
+    from distributed_runs import MODEL, fabric_run, failure_report, run_overrides
 
     from unicache_train.checkpoint.zero import consolidate_zero_checkpoint
 
@@ -394,28 +391,8 @@ def test_zero2_trains_the_policy_and_consolidates_it(tmp_path: Path) -> None:
         checkpoint_every=3,
     )
     assert MODEL[0] in args
-    fabric = Path(sys.executable).with_name("fabric")
-    proc = subprocess.run(
-        [
-            str(fabric),
-            "run",
-            "--accelerator",
-            "cpu",
-            "--devices",
-            "2",
-            "--strategy",
-            "deepspeed_stage_2",
-            str(DRIVER),
-            str(tmp_path / "record.jsonl"),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = fabric_run(2, tmp_path / "record.jsonl", args, strategy="deepspeed_stage_2")
+    assert proc.returncode == 0, failure_report(proc)
     state = consolidate_zero_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
     w = state["model.kv_retention.weight"]
     assert w.shape == (2, 2, 16) and float(w.abs().sum()) > 0  # trained from its zero init

@@ -227,3 +227,41 @@ def test_cli_fit_compress_preset_and_config_file(monkeypatch, tmp_path):
     first, second = (c.compress.unicache for c in seen)
     assert first.target_rate == 0.5 and first.quantize.bits == 8 and not first.budget.enabled
     assert not second.budget.enabled and second.importance.normalize == "global"
+
+
+_EXIT_ORDER = """
+import atexit, sys
+import torch.distributed as dist
+# registered first, so it runs last (atexit is last-in, first-out): what the group looks like
+# after every handler that fit registers has run
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from unicache_train.train.strategies import destroy_process_group_at_exit
+if sys.argv[2] == "register":
+    destroy_process_group_at_exit()
+    destroy_process_group_at_exit()  # idempotent: a recipe calls fit more than once
+print("initialized before exit:", dist.is_initialized(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("register", [True, False])
+def test_process_group_is_destroyed_before_interpreter_exit(tmp_path, register):
+    """fit registers an exit hook that destroys the group while Python is alive (a gloo rank
+    left to interpreter finalization can abort: see destroy_process_group_at_exit). Without
+    the hook the group is still up when the last handler runs; that control keeps the check
+    honest."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _EXIT_ORDER,
+            str(tmp_path / "store"),
+            "register" if register else "-",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "initialized before exit: True" in proc.stdout
+    assert f"initialized at exit: {not register}" in proc.stdout, proc.stdout

@@ -28,7 +28,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from distributed_runs import MODEL, fabric_run, mean_losses, read_rows, run_overrides
+from distributed_runs import (
+    MODEL,
+    fabric_run,
+    failure_report,
+    mean_losses,
+    read_rows,
+    run_overrides,
+)
 
 from unicache_train.checkpoint import load_checkpoint
 from unicache_train.checkpoint.zero import has_universal_checkpoint, zero_world_size
@@ -164,7 +171,7 @@ def test_zero3_reshard_of_a_model_with_frozen_parameters_is_refused(tmp_path):
 def _run(devices: int, out: Path, *extra: str, strategy: str = "deepspeed_stage_2") -> Path:
     record = out / "record.jsonl"
     proc = fabric_run(devices, record, overrides(out / "run", devices, *extra), strategy)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, failure_report(proc)
     return record
 
 

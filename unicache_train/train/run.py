@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 
 from unicache_train.train.config import RunConfig
 from unicache_train.train.module import LMModule
-from unicache_train.train.strategies import parallelize_model
+from unicache_train.train.strategies import destroy_process_group_at_exit, parallelize_model
 from unicache_train.validation import ConfigError
 
 log = logging.getLogger(__name__)
@@ -259,6 +259,7 @@ def fit(config: RunConfig, callbacks: list[L.Callback] | None = None) -> L.Train
     trainer = build_trainer(config, callbacks)
     if trainer.is_global_zero:
         config.save(out_dir / "config.yaml")
+    destroy_process_group_at_exit()  # a distributed run's group: see the function
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     finally:

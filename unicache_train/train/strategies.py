@@ -39,6 +39,7 @@ optimizer with ``zero_allow_untested_optimizer``; DeepSpeedCPUAdam would need an
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 from pathlib import Path
@@ -80,6 +81,7 @@ __all__ = [
     "AtomicCheckpointIO",
     "AtomicDeepSpeedStrategy",
     "CPUDeepSpeedStrategy",
+    "destroy_process_group_at_exit",
 ]
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,39 @@ def parallelize_model(model: nn.Module, config: RunConfig) -> nn.Module:
         n = apply_activation_checkpointing(model)
         log.info("activation checkpointing: %d decoder blocks recompute in backward", n)
     return model
+
+
+# ================================================================================= process exit
+_EXIT_HOOK_REGISTERED = False
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when this process exits, while Python is still alive.
+
+    Without it a rank that leaves without ``destroy_process_group()`` tears gloo down during
+    interpreter finalization: gloo's worker threads may still hold the ``AsyncWork`` of a
+    collective (ZeRO-3's prefetching all-gathers are asynchronous), whose tensors drop Python
+    references then, and taking the GIL in a finalizing interpreter aborts the process
+    (SIGABRT, the mechanism of pytorch/pytorch#179291). ``fabric run`` reports any rank that
+    dies that way as a failed run, even though every step and checkpoint was done. Seen once in
+    CI: a 2-rank ZeRO-3 run whose rank 1 aborted at exit while rank 0 was still drawing its
+    gain plot.
+
+    Registered once per process by :func:`unicache_train.train.run.fit` (a recipe may call
+    ``fit`` several times and keep using the group between them: it is destroyed at exit only,
+    and not at all when the caller has destroyed it already).
+    """
+    global _EXIT_HOOK_REGISTERED
+    if not _EXIT_HOOK_REGISTERED:
+        atexit.register(_destroy_process_group)
+        _EXIT_HOOK_REGISTERED = True
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ================================================================================= checkpoint IO
