@@ -237,31 +237,53 @@ import torch.distributed as dist
 atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 from unicache_train.train.strategies import destroy_process_group_at_exit
-if sys.argv[2] == "register":
+if sys.argv[2] != "none":
     destroy_process_group_at_exit()
     destroy_process_group_at_exit()  # idempotent: a recipe calls fit more than once
 print("initialized before exit:", dist.is_initialized(), flush=True)
+if sys.argv[2] == "crash":
+    raise RuntimeError("this rank fails")
 """
 
 
-@pytest.mark.parametrize("register", [True, False])
-def test_process_group_is_destroyed_before_interpreter_exit(tmp_path, register):
+@pytest.mark.parametrize(
+    "mode, code, left_up",
+    [("clean", 0, False), ("none", 0, True), ("crash", 1, True)],
+)
+def test_process_group_is_destroyed_before_interpreter_exit(tmp_path, mode, code, left_up):
     """fit registers an exit hook that destroys the group while Python is alive (a gloo rank
-    left to interpreter finalization can abort: see destroy_process_group_at_exit). Without
-    the hook the group is still up when the last handler runs; that control keeps the check
-    honest."""
+    left to interpreter finalization can abort: see destroy_process_group_at_exit). Controls:
+    without the hook the group is still up when the last handler runs; after an uncaught
+    exception the hook leaves it alone (destroying waits for pending collectives)."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _EXIT_ORDER,
-            str(tmp_path / "store"),
-            "register" if register else "-",
-        ],
+        [sys.executable, "-c", _EXIT_ORDER, str(tmp_path / "store"), mode],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == code, proc.stderr[-3000:]
     assert "initialized before exit: True" in proc.stdout
-    assert f"initialized at exit: {not register}" in proc.stdout, proc.stdout
+    assert f"initialized at exit: {left_up}" in proc.stdout, proc.stdout
+
+
+def test_exit_hook_wait_is_bounded(monkeypatch):
+    """A destroy that does not return (a collective a peer never completes) is given up after
+    the hook's timeout: the exit goes on as without the hook instead of hanging the rank."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from unicache_train.train import strategies
+
+    release = threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(30))
+    t0 = time.monotonic()
+    try:
+        assert strategies._destroy_process_group(timeout_s=0.5) is False
+        assert time.monotonic() - t0 < 5
+    finally:
+        release.set()
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    assert strategies._destroy_process_group(timeout_s=5) is True

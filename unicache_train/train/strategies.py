@@ -158,6 +158,7 @@ def parallelize_model(model: nn.Module, config: RunConfig) -> nn.Module:
 
 # ================================================================================= process exit
 _EXIT_HOOK_REGISTERED = False
+_EXIT_DESTROY_TIMEOUT_S = 60.0
 
 
 def destroy_process_group_at_exit() -> None:
@@ -172,6 +173,12 @@ def destroy_process_group_at_exit() -> None:
     CI: a 2-rank ZeRO-3 run whose rank 1 aborted at exit while rank 0 was still drawing its
     gain plot.
 
+    Only on a clean exit: after an uncaught exception the group is left alone, because
+    destroying it waits for this rank's pending collectives, which a peer blocked elsewhere
+    never completes (measured: a rank failing with an all-gather in flight waited until its
+    peer exited; the launcher would see a hung run instead of a failed one). The wait is bounded
+    too (``_EXIT_DESTROY_TIMEOUT_S``), after which the exit goes on as without the hook.
+
     Registered once per process by :func:`unicache_train.train.run.fit` (a recipe may call
     ``fit`` several times and keep using the group between them: it is destroyed at exit only,
     and not at all when the caller has destroyed it already).
@@ -182,11 +189,30 @@ def destroy_process_group_at_exit() -> None:
         _EXIT_HOOK_REGISTERED = True
 
 
-def _destroy_process_group() -> None:
+def _destroy_process_group(timeout_s: float | None = None) -> bool:
+    """The exit hook. Returns whether it destroyed the group (tests)."""
+    import sys
+    import threading
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    if getattr(sys, "last_value", None) is not None:  # an uncaught exception ends this process
+        return False
+    done = threading.Event()
+    destroyed: list[bool] = []
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+            destroyed.append(True)
+        finally:
+            done.set()
+
+    threading.Thread(target=destroy, name="destroy_process_group", daemon=True).start()
+    done.wait(_EXIT_DESTROY_TIMEOUT_S if timeout_s is None else timeout_s)
+    return bool(destroyed)
 
 
 # ================================================================================= checkpoint IO
