@@ -233,6 +233,8 @@ def write_table(cfg: dict, out_dir: Path = HERE) -> Path:
                 )
             md.append(f"| {m} | {s} | {ppl:.3f} | {change} |")
     md += decisive(cells, models, csv_rows, kvpress_rows(ROOT / cfg["kvpress"]).items())
+    md += fixed_vs_control(cells, models, csv_rows)
+    md += other_tasks(cells, models, csv_rows)
     md += targets(cells, models, csv_rows)
     (out_dir / "results.md").write_text("\n".join(md) + "\n")
     keys = sorted({k for r in csv_rows for k in r}, key=lambda k: (k != "kind", k))
@@ -350,6 +352,120 @@ def _decisive_arm(learned, cells, models, csv_rows, kvpress) -> list[str]:
     return md
 
 
+def fixed_vs_control(cells, models, csv_rows) -> list[str]:
+    """Does training with a fixed selection in the loop help that selection? (c) seed k with
+    its own compressor against the control seed k with the same compressor, and pooled."""
+    md = [
+        "",
+        "## (c) against (b): a fixed selection in the loop vs the control with the same selection",
+        "",
+        "| comparison | pairs | A | B | A - B (pts) | only A / only B | p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ctrl = _seeds(models, "control")
+    for arm in ("unicache_q4", "sinks_recent_q4", "snapkv_q4"):
+        own = OWN_8X[arm]
+        xs: list[bool] = []
+        ys: list[bool] = []
+        pairs = 0
+        for k, m in enumerate(_seeds(models, arm)):
+            if k >= len(ctrl):
+                break
+            a, b = _rows(cells, m, own), _rows(cells, ctrl[k], own)
+            if a is None or b is None:
+                continue
+            x, y = paired(a, b)
+            label = f"{m} vs {ctrl[k]}, both + {own}"
+            md.append(_test_row(label, x, y, csv_rows, kind="fixed_vs_control", arm=arm))
+            xs += x
+            ys += y
+            pairs += 1
+        if pairs > 1:
+            label = f"{arm} vs control, both + {own}, pooled"
+            md.append(_test_row(label, xs, ys, csv_rows, kind="fixed_vs_control", arm=arm))
+    return md
+
+
+# The other tasks at 8x: the learned arm with its policy against the control with the selection
+# that was its best on recall8 (sinks + recent) and the base with its best (SnapKV-style).
+OTHER_TASKS = {"recall16": "16-pair recall, 200 prompts", "passkey": "passkey, ~1,600 tokens, 24"}
+OTHER_B = [("control", "sinks_int4_8x"), ("base", "snapkv_int4_8x")]
+
+
+def other_tasks(cells, models, csv_rows) -> list[str]:
+    """16-pair recall and the passkey task: every cell, then the learned arm (lr 300x) against
+    the control + sinks and the base + SnapKV-style at 8x (seed k with seed k, pooled)."""
+    present = [t for t in OTHER_TASKS if any(k[1] == t for k in cells)]
+    if not present:
+        return []
+    md = [
+        "",
+        "## 16-pair recall and the passkey task at 8x",
+        "",
+        "| task | model | setting | accuracy [95% Wilson] |",
+        "|---|---|---|---|",
+    ]
+    for t in present:
+        for m in models:
+            for s in COLUMNS:
+                c = cells.get((m, t, s))
+                if c:
+                    md.append(f"| {t} | {m} | {s} | {_acc(*c)} |")
+                    csv_rows.append(
+                        {
+                            "kind": "cell",
+                            "model": m,
+                            "task": t,
+                            "setting": s,
+                            "hits": sum(r["correct"] for r in c[0]),
+                            "n": len(c[0]),
+                            "kv_reduction": c[1].get("kv_reduction"),
+                            "weights_sha256": c[1].get("weights_sha256"),
+                        }
+                    )
+    md += [
+        "",
+        "| A vs B (same prompts) | pairs | A | B | A - B (pts) | only A / only B | p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    learned = _seeds(models, "retention_lr300_q4")
+    for t in present:
+        for arm, setting in OTHER_B:
+            bs = _seeds(models, arm)
+            xs: list[bool] = []
+            ys: list[bool] = []
+            used = []
+            for k, m in enumerate(learned):
+                a = cells.get((m, t, "retention_int4_8x"))
+                b_model = bs[min(k, len(bs) - 1)] if bs else None
+                b = cells.get((b_model, t, setting)) if b_model else None
+                if not (a and b):
+                    continue
+                x, y = paired(a[0], b[0])
+                label = f"{t}: {m} vs {b_model} + {setting}"
+                md.append(_test_row(label, x, y, csv_rows, kind="other_test", task=t))
+                xs += x
+                ys += y
+                used.append(b_model)
+            if len(used) > 1 and len(set(used)) == len(used):
+                label = f"{t}: retention_lr300_q4 vs {arm} + {setting}, pooled"
+                md.append(_test_row(label, xs, ys, csv_rows, kind="other_test", task=t))
+    md += [
+        "",
+        "Each model at 8x as a share of its own uncompressed accuracy on the same prompts:",
+        "",
+    ]
+    for t in present:
+        for m in models:
+            u = cells.get((m, t, "none"))
+            for s in COLUMNS[1:]:
+                c = cells.get((m, t, s))
+                if u and c and sum(r["correct"] for r in u[0]):
+                    share = sum(r["correct"] for r in c[0]) / sum(r["correct"] for r in u[0])
+                    md.append(f"- {t}, {m}, {s}: {share:.0%} of its uncompressed")
+    return md
+
+
 def targets(cells, models, csv_rows) -> list[str]:
     md = [
         "",
@@ -395,6 +511,22 @@ def targets(cells, models, csv_rows) -> list[str]:
         md.append(
             f"| {arm} better than {label.removeprefix('vs ')}, paired p < 0.01 | {figure} | "
             f"{'met' if ok else 'missed'} |"
+        )
+    # Several comparisons per arm: say which "met" lines survive Bonferroni over the arm's family.
+    for arm in sorted({a for a, _ in groups}):
+        family = {label: rs for (a, label), rs in groups.items() if a == arm}
+        level = 0.01 / len(family)
+        kept = [
+            label.removeprefix("vs ")
+            for label, rs in family.items()
+            if all(
+                r["p"] < level and r["difference"] > 0
+                for r in ([r for r in rs if r["comparison"].endswith("pooled")] or rs)
+            )
+        ]
+        md.append(
+            f"\n{arm}: {len(family)} comparisons, so p < {level:.4f} for 0.01 over the family "
+            f"(Bonferroni); met at that level: {', '.join(kept) if kept else 'none'}."
         )
     return md
 
