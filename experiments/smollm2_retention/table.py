@@ -389,12 +389,14 @@ def fixed_vs_control(cells, models, csv_rows) -> list[str]:
 # The other tasks at 8x: the learned arm with its policy against the control with the selection
 # that was its best on recall8 (sinks + recent) and the base with its best (SnapKV-style).
 OTHER_TASKS = {"recall16": "16-pair recall, 200 prompts", "passkey": "passkey, ~1,600 tokens, 24"}
-OTHER_B = [("control", "sinks_int4_8x"), ("base", "snapkv_int4_8x")]
+# "self": the same weights ranked by the policy's prior (sinks + recent): policy vs weights.
+OTHER_B = [("control", "sinks_int4_8x"), ("base", "snapkv_int4_8x"), ("self", "sinks_int4_8x")]
 
 
 def other_tasks(cells, models, csv_rows) -> list[str]:
     """16-pair recall and the passkey task: every cell, then the learned arm (lr 300x) against
-    the control + sinks and the base + SnapKV-style at 8x (seed k with seed k, pooled)."""
+    the control + sinks, the base + SnapKV-style and its own weights ranked by its prior, at 8x
+    (seed k with seed k, pooled)."""
     present = [t for t in OTHER_TASKS if any(k[1] == t for k in cells)]
     if not present:
         return []
@@ -437,7 +439,7 @@ def other_tasks(cells, models, csv_rows) -> list[str]:
             used = []
             for k, m in enumerate(learned):
                 a = cells.get((m, t, "retention_int4_8x"))
-                b_model = bs[min(k, len(bs) - 1)] if bs else None
+                b_model = m if arm == "self" else (bs[min(k, len(bs) - 1)] if bs else None)
                 b = cells.get((b_model, t, setting)) if b_model else None
                 if not (a and b):
                     continue
@@ -448,7 +450,8 @@ def other_tasks(cells, models, csv_rows) -> list[str]:
                 ys += y
                 used.append(b_model)
             if len(used) > 1 and len(set(used)) == len(used):
-                label = f"{t}: retention_lr300_q4 vs {arm} + {setting}, pooled"
+                other = "its own weights" if arm == "self" else arm
+                label = f"{t}: retention_lr300_q4 vs {other} + {setting}, pooled"
                 md.append(_test_row(label, xs, ys, csv_rows, kind="other_test", task=t))
     md += [
         "",
