@@ -222,3 +222,41 @@ def test_selection_settings_reach_their_targets_and_retention_reads_the_models_p
     with torch.no_grad():
         attach_retention(model).weight.normal_()
     assert by["retention_q4"].build(model).retention is model.kv_retention
+
+
+def test_compress_unicache_overrides_apply_on_top_of_the_calibrated_setting(
+    recipe, tmp_path, monkeypatch
+) -> None:
+    """The in-loop compressor of a ``compress`` fine-tune is the calibrated setting (its rate,
+    selection, storage) with the user's ``compress.unicache.*`` overrides merged on top, e.g.
+    ``compress.unicache.selection.lr_scale=300``; nothing the user did not name changes."""
+    from unicache_train.train import from_hf
+
+    model, ids, split = _tiny_model_and_batch()
+    with torch.no_grad():
+        settings = recipe.build_settings(
+            model, ids, split, {"settings": ["retention_q4@8"], "span_pool": 7}
+        )
+    (setting,) = [s for s in settings if s.method == "retention_q4"]
+    calibrated = setting.unicache.to_dict()
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(ckpt_dir, run):
+        seen.update(run)
+        raise Stop
+
+    monkeypatch.setattr(from_hf, "prepare_hf_run", capture)
+    study = {"train_tasks": [{"pairs": 4}], "train_records_per_task": 2, "text_fraction": 0.0}
+    user = {"compress": {"unicache": {"selection": {"lr_scale": 300.0}}}}
+    with pytest.raises(Stop):
+        recipe.finetune("compress", tmp_path, user, study, setting.unicache, tmp_path, "llama")
+    got = seen["compress"]["unicache"]
+    assert got["selection"]["lr_scale"] == 300.0
+    assert got["selection"]["method"] == "retention"
+    assert got["target_rate"] == calibrated["target_rate"] == pytest.approx(setting.rate)
+    assert got["quantize"] == calibrated["quantize"]
+    assert calibrated["selection"]["lr_scale"] != 300.0  # the override changed something
+    assert user["compress"]["unicache"] == {"selection": {"lr_scale": 300.0}}  # not mutated

@@ -83,6 +83,41 @@ def _acc(rows: list[dict], meta: dict) -> str:
     return f"{hits / n:.2f} [{lo:.2f}, {hi:.2f}]{tail}"
 
 
+def _cell_row(model: str, task: str, setting: str, cell: tuple[list[dict], dict]) -> dict:
+    """One cell of the table as a ``results.csv`` row."""
+    rows, meta = cell
+    return {
+        "kind": "cell",
+        "model": model,
+        "task": task,
+        "setting": setting,
+        "hits": sum(r["correct"] for r in rows),
+        "n": len(rows),
+        "kv_reduction": meta.get("kv_reduction"),
+        "weights_sha256": meta.get("weights_sha256"),
+    }
+
+
+def _seeded_tests(
+    tests: list[tuple], pooled_label: str, csv_rows: list[dict], **extra
+) -> list[str]:
+    """``tests``: ``(label, a_rows, b_rows, b_model)`` for each seed of A that has both cells.
+    One exact McNemar line per seed, then the pooled one when there are several seeds and each
+    met another B model (one B model used twice does not give independent pairs)."""
+    md: list[str] = []
+    xs: list[bool] = []
+    ys: list[bool] = []
+    for label, a, b, _ in tests:
+        x, y = paired(a, b)
+        md.append(_test_row(label, x, y, csv_rows, **extra))
+        xs += x
+        ys += y
+    b_models = [t[3] for t in tests]
+    if len(b_models) > 1 and len(set(b_models)) == len(b_models):
+        md.append(_test_row(pooled_label, xs, ys, csv_rows, **extra))
+    return md
+
+
 def _test_row(label: str, a: list[bool], b: list[bool], rows: list[dict], **extra) -> str:
     t = mcnemar_exact(a, b)
     diff = (t.a_hits - t.b_hits) / t.n  # A - B (McNemar's `difference` is B - A)
@@ -161,19 +196,7 @@ def write_table(cfg: dict, out_dir: Path = HERE) -> Path:
             c = cells.get((m, "recall8", s))
             line.append(_acc(*c) if c else "")
             if c:
-                hits = sum(r["correct"] for r in c[0])
-                csv_rows.append(
-                    {
-                        "kind": "cell",
-                        "model": m,
-                        "task": "recall8",
-                        "setting": s,
-                        "hits": hits,
-                        "n": len(c[0]),
-                        "kv_reduction": c[1].get("kv_reduction"),
-                        "weights_sha256": c[1].get("weights_sha256"),
-                    }
-                )
+                csv_rows.append(_cell_row(m, "recall8", s, c))
         md.append("| " + " | ".join(line) + " |")
     md += ["", "## The unseen recall format (sentences, 64 prompts a cell) at 8x", ""]
     md += ["| model | setting | accuracy [95% Wilson] |", "|---|---|---|"]
@@ -289,26 +312,13 @@ def _decisive_arm(learned, cells, models, csv_rows, kvpress) -> list[str]:
         return c[0] if c else None
 
     def compare(label: str, b_of, b_models) -> None:
-        """``b_of(k)``: B's rows for A's seed k; ``b_models(k)``: B's model. Pooled only when
-        each A seed meets another B model (a B model used twice is not independent pairs)."""
-        pooled_a: list[bool] = []
-        pooled_b: list[bool] = []
-        used = []
-        for k, m in enumerate(ret):
-            a, b = a_rows(m), b_of(k)
-            if a is None or b is None:
-                continue
-            x, y = paired(a, b)
-            md.append(_test_row(f"{label}, seed {k}", x, y, csv_rows, kind="test", arm=learned))
-            pooled_a += x
-            pooled_b += y
-            used.append(b_models(k))
-        if len(used) > 1 and len(set(used)) == len(used):
-            md.append(
-                _test_row(
-                    f"{label}, pooled", pooled_a, pooled_b, csv_rows, kind="test", arm=learned
-                )
-            )
+        """``b_of(k)``: B's rows for A's seed k; ``b_models(k)``: B's model."""
+        tests = [
+            (f"{label}, seed {k}", a_rows(m), b_of(k), b_models(k))
+            for k, m in enumerate(ret)
+            if a_rows(m) is not None and b_of(k) is not None
+        ]
+        md.extend(_seeded_tests(tests, f"{label}, pooled", csv_rows, kind="test", arm=learned))
 
     # (a) the base's best training-free setting at 8x, ours and kvpress's
     base = {
@@ -365,30 +375,19 @@ def fixed_vs_control(cells, models, csv_rows) -> list[str]:
     ctrl = _seeds(models, "control")
     for arm in ("unicache_q4", "sinks_recent_q4", "snapkv_q4"):
         own = OWN_8X[arm]
-        xs: list[bool] = []
-        ys: list[bool] = []
-        pairs = 0
-        for k, m in enumerate(_seeds(models, arm)):
-            if k >= len(ctrl):
-                break
-            a, b = _rows(cells, m, own), _rows(cells, ctrl[k], own)
-            if a is None or b is None:
-                continue
-            x, y = paired(a, b)
-            label = f"{m} vs {ctrl[k]}, both + {own}"
-            md.append(_test_row(label, x, y, csv_rows, kind="fixed_vs_control", arm=arm))
-            xs += x
-            ys += y
-            pairs += 1
-        if pairs > 1:
-            label = f"{arm} vs control, both + {own}, pooled"
-            md.append(_test_row(label, xs, ys, csv_rows, kind="fixed_vs_control", arm=arm))
+        tests = [
+            (f"{m} vs {c}, both + {own}", _rows(cells, m, own), _rows(cells, c, own), c)
+            for m, c in zip(_seeds(models, arm), ctrl)  # seed k with seed k
+            if _rows(cells, m, own) is not None and _rows(cells, c, own) is not None
+        ]
+        pooled = f"{arm} vs control, both + {own}, pooled"
+        md += _seeded_tests(tests, pooled, csv_rows, kind="fixed_vs_control", arm=arm)
     return md
 
 
 # The other tasks at 8x: the learned arm with its policy against the control with the selection
 # that was its best on recall8 (sinks + recent) and the base with its best (SnapKV-style).
-OTHER_TASKS = {"recall16": "16-pair recall, 200 prompts", "passkey": "passkey, ~1,600 tokens, 24"}
+OTHER_TASKS = ("recall16", "passkey")
 # "self": the same weights ranked by the policy's prior (sinks + recent): policy vs weights.
 OTHER_B = [("control", "sinks_int4_8x"), ("base", "snapkv_int4_8x"), ("self", "sinks_int4_8x")]
 
@@ -413,18 +412,7 @@ def other_tasks(cells, models, csv_rows) -> list[str]:
                 c = cells.get((m, t, s))
                 if c:
                     md.append(f"| {t} | {m} | {s} | {_acc(*c)} |")
-                    csv_rows.append(
-                        {
-                            "kind": "cell",
-                            "model": m,
-                            "task": t,
-                            "setting": s,
-                            "hits": sum(r["correct"] for r in c[0]),
-                            "n": len(c[0]),
-                            "kv_reduction": c[1].get("kv_reduction"),
-                            "weights_sha256": c[1].get("weights_sha256"),
-                        }
-                    )
+                    csv_rows.append(_cell_row(m, t, s, c))
     md += [
         "",
         "| A vs B (same prompts) | pairs | A | B | A - B (pts) | only A / only B | p |",
@@ -434,25 +422,16 @@ def other_tasks(cells, models, csv_rows) -> list[str]:
     for t in present:
         for arm, setting in OTHER_B:
             bs = _seeds(models, arm)
-            xs: list[bool] = []
-            ys: list[bool] = []
-            used = []
+            tests = []
             for k, m in enumerate(learned):
                 a = cells.get((m, t, "retention_int4_8x"))
                 b_model = m if arm == "self" else (bs[min(k, len(bs) - 1)] if bs else None)
                 b = cells.get((b_model, t, setting)) if b_model else None
-                if not (a and b):
-                    continue
-                x, y = paired(a[0], b[0])
-                label = f"{t}: {m} vs {b_model} + {setting}"
-                md.append(_test_row(label, x, y, csv_rows, kind="other_test", task=t))
-                xs += x
-                ys += y
-                used.append(b_model)
-            if len(used) > 1 and len(set(used)) == len(used):
-                other = "its own weights" if arm == "self" else arm
-                label = f"{t}: retention_lr300_q4 vs {other} + {setting}, pooled"
-                md.append(_test_row(label, xs, ys, csv_rows, kind="other_test", task=t))
+                if a and b:
+                    tests.append((f"{t}: {m} vs {b_model} + {setting}", a[0], b[0], b_model))
+            other = "its own weights" if arm == "self" else arm
+            pooled = f"{t}: retention_lr300_q4 vs {other} + {setting}, pooled"
+            md += _seeded_tests(tests, pooled, csv_rows, kind="other_test", task=t)
     md += [
         "",
         "Each model at 8x as a share of its own uncompressed accuracy on the same prompts:",
