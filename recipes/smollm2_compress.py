@@ -1,7 +1,7 @@
 """The main job: a real pretrained checkpoint (SmolLM2-135M-Instruct) under KV compression,
 evaluated training-free, fine-tuned with compression in the loop, evaluated again.
 
-    python recipes/smollm2_compress.py                                  # ~15 min on 2 cores
+    python recipes/smollm2_compress.py                                  # ~6 min on 2 cores
                         # (the demo: base, control and learned retention at 8x, 12 steps, n=32)
     python recipes/smollm2_compress.py study.finetune="[control,compress]" study.num_recall=100
     python recipes/smollm2_compress.py --config my.yaml train.max_steps=80
