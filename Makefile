@@ -3,18 +3,24 @@
 #               # SmolLM2 at 8x fewer KV bytes, a control and a learned-retention fine-tune,
 #               # evaluated before and after (a short version of experiments/smollm2_retention)
 #   make test   # install into .venv and fetch SmolLM2-135M (first time), then the test suite
+# Both install the versions this repository was last tested with (constraints/project.txt);
+# `make test-latest` tries the newest ones in a fresh venv (the way to move the pins).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install fetch demo demo-tiny test test-slow lint bench kvpress-baseline tf-lower vllm-compare
+.PHONY: install fetch demo demo-tiny test test-slow test-latest pins-from-latest lint bench \
+	kvpress-baseline tf-lower vllm-compare
 
-$(BIN)/.installed: pyproject.toml
+# The tested versions (pip constraints: they pin what is installed, they add nothing).
+CONSTRAINTS ?= constraints/project.txt
+
+$(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	# CPU torch first, from the wheel on disk, so pip does not pull a multi-GB CUDA build.
-	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install -c $(CONSTRAINTS) torch==2.13.0
+	$(BIN)/pip install -c $(CONSTRAINTS) -e ".[dev]"
 	touch $@
 
 install: $(BIN)/.installed
@@ -73,10 +79,11 @@ vllm-compare: install
 # The oldest transformers the serving cache supports (5.2), in its own venv, for
 # tests/test_transformers_cache.py::test_lower_bound_transformers (our package on PYTHONPATH).
 TF_LOWER := .venv-tf-lower
-$(TF_LOWER)/.installed:
+$(TF_LOWER)/.installed: constraints/tf-lower.txt
 	$(PYTHON) -m venv $(TF_LOWER)
 	$(TF_LOWER)/bin/pip install --upgrade pip
-	$(TF_LOWER)/bin/pip install torch==2.13.0 transformers==5.2.0 safetensors pyyaml
+	$(TF_LOWER)/bin/pip install -c constraints/tf-lower.txt torch==2.13.0 transformers==5.2.0 \
+		safetensors pyyaml
 	touch $@
 
 tf-lower: $(TF_LOWER)/.installed
@@ -86,6 +93,32 @@ test: fetch tf-lower
 
 test-slow: fetch
 	$(BIN)/python -m pytest -q -m slow
+
+# The newest resolvable versions (no constraints) in a fresh venv, then the default suite. Appends
+# the key versions and the outcome to scripts/results/test_latest.csv and writes that venv's
+# versions to runs/test-latest/constraints.txt; after a green run `make pins-from-latest` makes
+# them the tested versions. A red run names what broke: bound it in pyproject.toml.
+LATEST := .venv-latest
+test-latest: fetch tf-lower
+	rm -rf $(LATEST) runs/test-latest
+	mkdir -p runs/test-latest
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/pip install --upgrade pip
+	$(LATEST)/bin/pip install torch==2.13.0
+	$(LATEST)/bin/pip install --upgrade --upgrade-strategy eager -e ".[dev]"
+	$(LATEST)/bin/python -m pytest -q --junitxml=runs/test-latest/junit.xml; rc=$$?; \
+	$(BIN)/python scripts/pin_versions.py record --python $(LATEST)/bin/python \
+		--junit runs/test-latest/junit.xml --out scripts/results/test_latest.csv && \
+	$(BIN)/python scripts/pin_versions.py freeze --python $(LATEST)/bin/python \
+		--out runs/test-latest/constraints.txt \
+		--note "Tested: make test-latest on $$(date -u +%F), pytest exit $$rc."; \
+	exit $$rc
+
+# Make the last green test-latest's versions the tested ones (then commit constraints/).
+pins-from-latest:
+	grep -q "pytest exit 0\." runs/test-latest/constraints.txt || \
+		{ echo "runs/test-latest/constraints.txt is missing or from a red run: make test-latest" >&2; exit 1; }
+	cp runs/test-latest/constraints.txt $(CONSTRAINTS)
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

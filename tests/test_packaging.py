@@ -141,3 +141,31 @@ print(json.dumps({"pkg": unicache_train.__file__, **mods}))
         assert Path(path) == installed, (name, path)
         assert installed.read_bytes() == (REPO / "kernels" / f"{name}.py").read_bytes()
     assert set(got) == {f.removesuffix(".py") for f in KERNEL_FILES}
+
+
+def test_pin_versions_writes_constraints_and_records_the_suite(tmp_path):
+    from scripts.pin_versions import KEY_PACKAGES, record, suite_outcome, write_constraints
+
+    out = tmp_path / "constraints.txt"
+    write_constraints({"torch": "2.13.0+cpu", "transformers": "5.25.0"}, out, source="venv")
+    pins = [line for line in out.read_text().splitlines() if not line.startswith("#")]
+    assert pins == ["torch==2.13.0", "transformers==5.25.0"]  # local label dropped, sorted
+
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite tests="10" failures="1" errors="1" skipped="3"/></testsuites>'
+    )
+    assert suite_outcome(junit) == {
+        "tests": 10,
+        "failures": 1,
+        "errors": 1,
+        "skipped": 3,
+        "passed": 5,
+    }
+    csv_path = tmp_path / "latest.csv"
+    rows = record(sys.executable, junit, csv_path)
+    assert [r["package"] for r in rows] == list(KEY_PACKAGES)
+    assert {r["suite"] for r in rows} == {"fail"}  # a failure or an error fails the suite
+    torch_row = next(r for r in rows if r["package"] == "torch")
+    assert torch_row["version"].startswith(importlib.metadata.version("torch").split("+")[0])
+    assert csv_path.read_text().count("\n") == len(KEY_PACKAGES) + 1  # header once

@@ -4,12 +4,16 @@
 # Never the project's venv.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# The versions it was last tested with: constraints/kvpress.txt (written by
+# `scripts/pin_versions.py freeze --python .venv-kvpress/bin/python`); a changed file reinstalls.
 VENV=${KVPRESS_VENV:-.venv-kvpress}
-if [ ! -f "$VENV/.installed" ]; then
+PINS=constraints/kvpress.txt
+if [ ! -f "$VENV/.installed" ] || ! cmp -s "$PINS" "$VENV/.installed"; then
+  rm -rf "$VENV"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q torch==2.13.0
-  "$VENV/bin/pip" install -q "kvpress==0.5.5"
-  touch "$VENV/.installed"
+  "$VENV/bin/pip" install -q -c "$PINS" torch==2.13.0
+  "$VENV/bin/pip" install -q -c "$PINS" "kvpress==0.5.5"
+  cp "$PINS" "$VENV/.installed"
 fi
 echo "$VENV"
