@@ -105,7 +105,8 @@ test-latest: fetch tf-lower
 	$(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/pip install --upgrade pip
 	$(LATEST)/bin/pip install torch==2.13.0
-	$(LATEST)/bin/pip install --upgrade --upgrade-strategy eager -e ".[dev]"
+	# torch stays the CPU wheel on disk (an eager upgrade took the 2.14.1 CUDA build).
+	$(LATEST)/bin/pip install --upgrade --upgrade-strategy eager torch==2.13.0 -e ".[dev]"
 	$(LATEST)/bin/python -m pytest -q --junitxml=runs/test-latest/junit.xml; rc=$$?; \
 	$(BIN)/python scripts/pin_versions.py record --python $(LATEST)/bin/python \
 		--junit runs/test-latest/junit.xml --out scripts/results/test_latest.csv && \
