@@ -104,7 +104,6 @@ test-latest: fetch tf-lower
 	mkdir -p runs/test-latest
 	$(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/pip install --upgrade pip
-	$(LATEST)/bin/pip install torch==2.13.0
 	# torch stays the CPU wheel on disk (an eager upgrade took the 2.14.1 CUDA build).
 	$(LATEST)/bin/pip install --upgrade --upgrade-strategy eager torch==2.13.0 -e ".[dev]"
 	$(LATEST)/bin/python -m pytest -q --junitxml=runs/test-latest/junit.xml; rc=$$?; \
