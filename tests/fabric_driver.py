@@ -10,7 +10,11 @@ with a callback that appends one JSON line per rank and training step to ``RECOR
 parameters after the step, null under ZeRO-3 where a rank holds only its partition).
 ``--kill-in-save STEP`` makes rank ``--kill-rank`` write half of its ZeRO optimizer shard of the
 step-``STEP`` checkpoint and then SIGKILL itself (a rank dying in the middle of a checkpoint
-write).
+write). ``--after-fit FILE`` exercises what :func:`~unicache_train.train.run.fit`'s docstring
+promises a distributed caller once it returns: each rank appends one JSON line to ``FILE``
+(the group still up, an all-reduce and a barrier on it, the final checkpoint visible to every
+rank after that barrier), then calls ``fit`` a second time (2 more steps, resumed from the first
+run's ``last.ckpt``) and appends a second line.
 """
 
 from __future__ import annotations
@@ -83,8 +87,33 @@ def _kill_in_zero_save(rank: int, step: int) -> None:
     DeepSpeedEngine._save_zero_checkpoint = save
 
 
+def after_fit(path: str, config: RunConfig, trainer: L.Trainer, call: int) -> None:
+    """One JSON line per rank: what a caller may do with the process group after ``fit``."""
+    import torch.distributed as dist
+
+    row: dict = {"call": call, "rank": trainer.global_rank, "initialized": dist.is_initialized()}
+    if row["initialized"]:
+        t = torch.tensor([float(trainer.global_rank + 1)])
+        dist.all_reduce(t)  # every rank calls it: 1 + 2 = 3 on two ranks
+        row["all_reduce"] = float(t)
+        row["world_size"] = dist.get_world_size()
+        dist.barrier()
+    last = os.path.join(config.train.out_dir, "checkpoints", "last.ckpt")
+    row["last_ckpt"] = os.path.exists(last)
+    row["global_step"] = trainer.global_step
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def main(argv: list[str]) -> None:
     record, *args = argv
+    after = None
+    if "--after-fit" in args:
+        i = args.index("--after-fit")
+        after = args[i + 1]
+        del args[i : i + 2]
     kill_rank, kill_step = 1, None
     if "--kill-in-save" in args:
         i = args.index("--kill-in-save")
@@ -97,7 +126,16 @@ def main(argv: list[str]) -> None:
     if kill_step is not None:
         _kill_in_zero_save(kill_rank, kill_step)
     config = RunConfig.from_dict(apply_overrides({}, args))
-    fit(config, callbacks=[Recorder(record)])
+    trainer = fit(config, callbacks=[Recorder(record)])
+    if after is not None:
+        after_fit(after, config, trainer, 1)
+        again = RunConfig.from_dict(
+            apply_overrides(
+                {}, [*args, f"train.max_steps={config.train.max_steps + 2}", "train.resume=auto"]
+            )
+        )
+        trainer = fit(again, callbacks=[Recorder(record)])
+        after_fit(after, again, trainer, 2)
 
 
 if __name__ == "__main__":

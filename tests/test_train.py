@@ -287,3 +287,29 @@ def test_exit_hook_wait_is_bounded(monkeypatch):
         release.set()
     monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
     assert strategies._destroy_process_group(timeout_s=5) is True
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed_stage_2"])
+def test_after_fit_a_distributed_caller_keeps_the_group(tmp_path, strategy):
+    """What fit's docstring promises a distributed caller once it returns: the group is still
+    up on both ranks (an all-reduce gives 1 + 2, a barrier returns), the final checkpoint is on
+    disk for both, and a second fit in the same processes resumes from it and trains on."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import distributed_runs
+
+    after = tmp_path / "after.jsonl"
+    args = distributed_runs.run_overrides(
+        tmp_path / "run", batch_size=2, steps=2, checkpoint_every=1
+    )
+    proc = distributed_runs.fabric_run(
+        2, tmp_path / "record.jsonl", [*args, "--after-fit", str(after)], strategy=strategy
+    )
+    assert proc.returncode == 0, distributed_runs.failure_report(proc)
+    rows = [json.loads(line) for line in after.read_text().splitlines()]
+    assert sorted((r["call"], r["rank"]) for r in rows) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    for r in rows:
+        assert r["initialized"] and r["world_size"] == 2 and r["all_reduce"] == 3.0, r
+        assert r["last_ckpt"], r
+        assert r["global_step"] == (2 if r["call"] == 1 else 4), r

@@ -243,7 +243,27 @@ def check_resume_fits(path: str | Path, module: L.LightningModule) -> None:
 
 
 def fit(config: RunConfig, callbacks: list[L.Callback] | None = None) -> L.Trainer:
-    """Train (or resume) a model as the config says; return the finished Trainer."""
+    """Train (or resume) a model as the config says; return the finished Trainer.
+
+    After ``fit`` returns in a distributed run (``fabric run``, ``train.devices > 1``; DDP or
+    DeepSpeed), on every rank:
+
+    * the default process group is still initialized: ``fit`` never destroys it, so the caller
+      may run collectives on it (``all_reduce``, ``all_gather``, ``barrier``: every rank must
+      make the same calls, as always) and may call ``fit`` again in the same process (e.g. a
+      second stage, or more steps with ``train.resume=auto``), which reuses the group;
+    * every rank has finished its last step and the final checkpoint
+      (``<out_dir>/checkpoints/last.ckpt``) is complete on disk for every rank: the strategy's
+      save ends with its own barrier; files that only rank 0 writes after that (plots, the W&B
+      run) are rank 0's, so other ranks read them only after a ``barrier`` of their own;
+    * the group is destroyed once, at interpreter exit, and only after a clean exit
+      (:func:`~unicache_train.train.strategies.destroy_process_group_at_exit`); a caller may
+      destroy it earlier itself (then it may not call ``fit`` again).
+
+    Tested in ``tests/test_train.py::test_after_fit_a_distributed_caller_keeps_the_group``
+    (2 ranks: an all-reduce and a barrier after ``fit``, the checkpoint visible to both, a
+    second ``fit`` resuming from it).
+    """
     from unicache_train.data.datamodule import LMDataModule
 
     config = apply_launcher_env(config)
