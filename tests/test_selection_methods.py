@@ -6,6 +6,7 @@ The method x wrapper invariants run in ``tests/test_compress.py``'s matrix."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -186,3 +187,51 @@ def test_selections_are_in_loop_presets(preset: str) -> None:
     )
     assert cc.unicache.selection.method == preset
     assert cc.unicache.quantize.bits == 4 and not cc.unicache.merge_evict.merge_threshold < 1.0
+
+
+# ------------------------------------------------------------------ one token set per layer
+@pytest.mark.parametrize("method", ["sinks_recent", "snapkv", "retention", "unicache"])
+def test_selection_is_one_token_set_for_every_kv_head(method: str) -> None:
+    """Selections are per layer (docs/compression_methods.md#selection-is-per-layer): whatever
+    each head would prefer, every KV head's entries are the same context tokens, each head's own
+    K/V at those positions. The heads are made to disagree: head 1's keys are head 0's reversed
+    in time, and the retention policy reads the two heads with opposite weights."""
+    from unicache_train.compress.retention import RetentionPolicy
+
+    inp = text_input(seed=5)
+    inp.keys[:, 1] = inp.keys[:, 0].flip(1)
+    inp.values[:, 1] = inp.values[:, 0].flip(1)
+    retention = None
+    if method == "unicache":
+        cfg = presets.text_style_baseline()
+    else:
+        cfg = getattr(presets, method)()
+    if method == "retention":
+        retention = RetentionPolicy(4, 2, 16).eval()
+        with torch.no_grad():
+            retention.weight[:, 0].normal_(std=3.0)
+            retention.weight[:, 1] = -retention.weight[:, 0]
+    d = cfg.to_dict()
+    d["head_merge"] = {**d["head_merge"], "enabled": False}
+    cfg = at(UniCacheConfig.from_dict(d), 0.6)
+    seg = UniCacheCompressor(cfg, retention=retention)(inp)
+    check_segment(inp, seg)
+    assert seg.valid.shape == seg.positions.shape == seg.keys.shape[:1] + seg.keys.shape[2:3]
+    for b in range(3):
+        tok = torch.tensor(kept_tokens(inp, seg, b))
+        assert 0 < len(tok) < int(inp.context_mask[b].sum())
+        entries = seg.valid[b].nonzero().squeeze(1)
+        for h in range(2):
+            single = seg.counts[b, entries] == 1  # kept (unmerged) entries: the token itself
+            got = seg.keys[b, h, entries[single]]
+            pos = seg.positions[b, entries[single]].tolist()
+            idx = [inp.positions[b].tolist().index(p) for p in pos]
+            torch.testing.assert_close(got, inp.keys[b, h, idx].to(got.dtype))
+
+
+def test_segment_refuses_a_per_head_mask() -> None:
+    inp = text_input()
+    seg = UniCacheCompressor(at(presets.sinks_recent(), 0.5))(inp)
+    H = seg.keys.shape[1]
+    with pytest.raises(ValueError, match=r"valid .* must be \[B, M\].*per-head selection"):
+        dataclasses.replace(seg, valid=seg.valid[:, None].expand(-1, H, -1))

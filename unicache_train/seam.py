@@ -328,6 +328,19 @@ class KVSegment:
     identity: bool = False
     latent: bool = False
 
+    def __post_init__(self) -> None:
+        # Selections are per layer: one token set (positions, counts, valid [B, M]) for every
+        # KV head of the layer; a selection that scores per head averages over heads before it
+        # ranks (docs/compression_methods.md#selection-is-per-layer). A per-head mask would be
+        # silently broadcast by every attention kernel, so it is refused here.
+        if self.valid.dim() != 2 or self.positions.dim() != 2:
+            raise ValueError(
+                f"KVSegment.valid {tuple(self.valid.shape)} and positions "
+                f"{tuple(self.positions.shape)} must be [B, M]: a segment keeps one token set for "
+                "every KV head of a layer (per-head selection is not supported; see "
+                "docs/compression_methods.md#selection-is-per-layer)"
+            )
+
 
 @runtime_checkable
 class KVCompressor(Protocol):
