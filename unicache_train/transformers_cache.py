@@ -35,16 +35,19 @@ batch, as our right-padded prefill lays it out) and the decode steps read the sa
 :class:`~unicache_train.model.compressed_cache.StoredSegment`. Tested in
 ``tests/test_transformers_cache.py`` (logits <= 1e-4, greedy tokens equal, byte counts equal).
 
-Decode steps of a packed (int8/int4) segment go through
-:meth:`~unicache_train.model.compressed_cache.CompressedKVCache.attend`: with
-``decode_path="packed"`` attention reads the packed bytes at every step (a Triton kernel on
-CUDA, :func:`unicache_train.ops.decode_attention.decode_attention_packed` on CPU) and the decoded
+Decode steps read the compressed segment the one way every decoder of this package does,
+:meth:`~unicache_train.model.compressed_cache.CompressedKVCache.attend` (our own decoding loop
+calls it too). For a packed (int8/int4) segment, ``decode_path="packed"`` reads the packed bytes
+at every step (a Triton kernel on CUDA,
+:func:`unicache_train.ops.decode_attention.decode_attention_packed` on CPU) and the decoded
 tokens go into a preallocated buffer (no per-step concatenation); ``decode_path="buffer"``
 dequantizes each layer's segment once into a working buffer (faster on CPU, as large as an
 uncompressed cache in the model's dtype; :meth:`CompressedCache.working_bytes`);
 ``decode_path="int8"`` unpacks an int4 segment once into int8 rows (twice the packed payload)
-that BLAS reads at every step. The default, ``"auto"``, takes the packed path on CUDA and the
-buffer on CPU (measured: docs/serving.md; int8 and packed save memory at some speed there).
+that BLAS reads at every step; ``"reference"`` dequantizes and concatenates at every step (the
+spec). The default, ``"auto"``, takes the packed path on CUDA and the buffer on CPU (measured:
+docs/serving.md; int8 and packed save memory at some speed there). The one-time work (buffer,
+int8 rows, segment bias) is done when the prefill stores each layer's segment.
 
 One cache serves one prompt (batch): a second ``generate()`` on a cache that already decoded
 raises and names :meth:`CompressedCache.reset`. Prefilling by hand and then calling
@@ -406,7 +409,10 @@ class CompressedCache(Cache):
                 )
             seg.keys = self._rotate(seg.keys, seg.positions)
         n_ctx = inp.context_mask.sum(1)
-        self.inner.set_segment(layer_idx, StoredSegment.from_segment(seg, n_ctx))
+        # Prepared at the queries' dtype (the decode steps'): the prefill pays the one
+        # dequantization or unpacking of the segment, not the first decode step.
+        stored = StoredSegment.from_segment(seg, n_ctx)
+        self.inner.set_segment(layer_idx, stored, dtype=inp.queries.dtype)
         self.stats.append(seg.stats)
 
     # ------------------------------------------------------------------------- bytes
@@ -490,7 +496,8 @@ def compressed_attention(
         _ACTIVE.set(None)
     if cache is not None and cache.inner.segments[layer_idx] is not None:
         # key, value: this call's tokens only (``_update``); append and attend in one step.
-        out = cache.inner.attend(layer_idx, query, key, value, scaling)  # [B, H, T, D]
+        softcap = kwargs.get("softcap")
+        out = cache.inner.attend(layer_idx, query, key, value, scaling, softcap)  # [B, H, T, D]
         return out.transpose(1, 2).contiguous(), None
     # Plain causal attention over the call's keys (the prefill), padding respected.
     valid = _key_padding(attention_mask, B, S, query.device)  # [B, S]

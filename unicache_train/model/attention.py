@@ -6,9 +6,10 @@ query heads, KV heads, head dim.
 Three ways through :meth:`Attention.forward`:
 
 1. plain causal attention (training without compression, evaluation);
-2. incremental decoding with a :class:`~unicache_train.model.kv_cache.KVCache` (or a
-   :class:`~unicache_train.model.compressed_cache.CompressedKVCache`: a compressed segment per
-   layer plus the decoded tokens, with the segment's ``log(count)`` bias);
+2. incremental decoding with a :class:`~unicache_train.model.kv_cache.KVCache`, or with a
+   :class:`~unicache_train.model.compressed_cache.CompressedKVCache` (a compressed segment per
+   layer plus the decoded tokens), read through its ``attend`` only: one call appends the new
+   K/V and attends with the segment's ``log(count)`` bias, the window and the softcap;
 3. the **compression seam** (``split`` and ``compressor`` given): tokens ``t < split[b]`` are the
    context and attend causally to the full context (prefill); the context K/V are handed to the
    compressor at :meth:`Attention._compress_context`; tokens ``t >= split[b]`` attend to the
@@ -159,19 +160,19 @@ class Attention(nn.Module):
             if stats is not None:
                 stats.append(segment.stats)
             out = self._attend_segment(q_rot, k_rot, v, segment, split)
+        elif cache is not None and hasattr(cache, "attend"):
+            # A compressed cache (model/compressed_cache.py) appends and attends in one call:
+            # [segment (+ log count) ; decoded], a window sliding over both, this layer's
+            # scale and softcap. (Duck-typed: compressed_cache imports this module.)
+            out = cache.attend(
+                self.layer_idx, q_rot, k_rot, v, scale=self.scale, softcap=self.softcap
+            )
         elif cache is not None:
             past = cache.length(self.layer_idx)
             k_all, v_all = cache.update(self.layer_idx, k_rot, v)  # [B, Hk, S, D]
             # A chunk of T new queries sees all S - T cached keys and is causal within itself.
             mask = None
-            # A compressed cache (model/compressed_cache.py) brings its own additive bias
-            # [B, 1, T, S]: log(count) on merged entries, padding entries masked, causal on the
-            # new tokens.
-            cache_bias = getattr(cache, "attention_bias", None)
-            if cache_bias is not None:
-                # (a windowed layer's bias also slides, model/compressed_cache.py)
-                mask = cache_bias(self.layer_idx, T, q_rot.dtype)
-            elif T > 1 or self.window is not None:
+            if T > 1 or self.window is not None:
                 mask = sliding_causal_mask(T, k_all.shape[2], past, self.window, x.device)
             out = self._attend(q_rot, k_all, v_all, mask=mask)
         elif self.window is not None:

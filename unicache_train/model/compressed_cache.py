@@ -36,11 +36,10 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from unicache_train.model.attention import count_bias
+from unicache_train.model.attention import attention_op, count_bias
 from unicache_train.model.kv_cache import KVCache
-from unicache_train.ops.decode_attention import decode_attention, segment_bias
+from unicache_train.ops.decode_attention import decode_attention
 from unicache_train.ops.rope import apply_rope
 from unicache_train.seam import (
     KVSegment,
@@ -274,10 +273,20 @@ class StoredSegment:
 class CompressedKVCache(KVCache):
     """Decoding cache: a compressed context segment per layer plus the decoded tokens' K/V.
 
-    Attention's decode path reads it like a :class:`KVCache` (``update`` returns the keys and
-    values to attend, ``[segment ; decoded]``) and takes its additive :meth:`attention_bias`.
-    :meth:`length` counts attended entries, not positions: pass ``positions`` explicitly when
-    decoding (the segment stands for more tokens than it holds).
+    Every decoder reads it through one call, :meth:`attend` (append this call's K/V and attend
+    to ``[segment (+ log count) ; decoded]``): our attention (:mod:`unicache_train.model.
+    attention`, sliding windows and Gemma's logit softcap included), MLA's absorbed attention
+    (:mod:`unicache_train.model.mla`, a latent cache) and stock transformers ``generate()``
+    (:mod:`unicache_train.transformers_cache`). ``update`` is not part of it (it raises): the
+    per-step dequantize-and-concatenate survives only as ``decode_path="reference"``, the spec
+    the other paths are tested against. :meth:`length` counts attended entries, not positions:
+    pass ``positions`` explicitly when decoding (the segment stands for more tokens than it
+    holds).
+
+    Each layer's working state (the segment bias, the dequantized or unpacked segment of the
+    path that needs one) is built by :meth:`prepare`, which :meth:`set_segment` calls when given
+    the decoding dtype, as the prefill does: the first decode step dequantizes nothing. A layer
+    set without a dtype is prepared at its first :meth:`attend`.
 
     Args:
         num_layers: decoder depth.
@@ -286,23 +295,27 @@ class CompressedKVCache(KVCache):
             decoded queries of sample ``b`` are at positions ``context_tokens[b] + n`` (the
             prefill's positions continue), which the window compares with entry positions.
         latent: an MLA model's cache (:mod:`unicache_train.model.mla`): one latent head
-            ``[c_kv ‖ k_pe]``, decoded latents held once (``values`` unused), the values handed
-            to attention are the keys' first ``R`` features, and the baseline is the
+            ``[c_kv ‖ k_pe]``, decoded latents held once (``values`` unused), the values
+            attention reads are the keys' first ``R`` features, and the baseline is the
             uncompressed latent cache. No sliding windows (MLA has none).
-        decode_path: how :meth:`attend` reads a packed (int8/int4) segment: ``"auto"`` (default)
-            takes ``"packed"`` on CUDA and ``"buffer"`` on CPU (chosen by measurement: the one
-            path at or above a plain cache's tokens/s on CPU at 2k tokens, docs/serving.md);
-            ``"int8"`` unpacks an int4 segment once, at its first decode
-            step, into int8 rows (a working copy twice the packed payload, a quarter of an fp32
-            cache; an int8 segment is read as stored) that each step converts to float at full
-            width for BLAS; ``"packed"`` reads
-            the packed bytes at every step (:func:`unicache_train.ops.decode_attention`: Triton
-            on CUDA, BLAS on half-width unpacked nibbles on CPU; nothing segment-sized is kept);
-            ``"buffer"`` dequantizes each layer's segment once, at its first decode step, into a
-            working buffer in the model's dtype that the decoded tokens are appended to in place
-            (fastest on CPU, but the buffer is as large as an uncompressed cache in that dtype:
-            :meth:`working_bytes` reports it, :meth:`kv_bytes` stays the stored bytes);
-            ``"reference"`` is the original path (dequantize and concatenate at every step).
+        decode_path: how :meth:`attend` reads a layer's segment: ``"auto"`` (default) takes
+            ``"packed"`` for a packed segment on CUDA and ``"buffer"`` everywhere else (chosen
+            by measurement: the one path at or above a plain cache's tokens/s on CPU at 2k
+            tokens, docs/serving.md); ``"int8"`` unpacks an int4 segment once, in
+            :meth:`prepare`, into int8 rows (a working copy twice the packed payload, a quarter
+            of an fp32 cache; an int8 segment is read as stored) that each step converts to
+            float at full width for BLAS; ``"packed"`` reads the packed bytes at every step
+            (:func:`unicache_train.ops.decode_attention`: Triton on CUDA, BLAS on half-width
+            unpacked nibbles on CPU; nothing segment-sized is kept); ``"buffer"`` dequantizes
+            (or rebuilds from low-rank factors) each layer's segment once, in :meth:`prepare`,
+            into a working buffer in the model's dtype that the decoded tokens are appended to
+            in place (fastest on CPU, but the buffer is as large as an uncompressed cache in
+            that dtype: :meth:`working_bytes` reports it, :meth:`kv_bytes` stays the stored
+            bytes); ``"reference"`` dequantizes and concatenates at every step (the spec).
+            ``"packed"`` and ``"int8"`` read packed, non-latent segments of equal K/V widths in
+            layers without a window or softcap (:meth:`reads_packed`); any other layer takes
+            ``"buffer"`` (a windowed layer: the materialized segment, then its sliding decoded
+            tokens).
         backend: ``decode_path="packed"``'s kernel (:func:`~unicache_train.ops.
             decode_attention.decode_attention`: ``"auto"``, ``"packed"``, ``"triton"``,
             ``"torch"``).
@@ -322,9 +335,10 @@ class CompressedKVCache(KVCache):
             raise ValueError(f"decode_path={decode_path!r}; choose one of {DECODE_PATHS}")
         self.decode_path = decode_path
         self.backend = backend
-        #: Per layer: preallocated decoded K/V ``[B, Hk, capacity, D]`` (``"buffer"``: the
-        #: dequantized segment first), the segment bias [B, M] and the segment width in it.
-        self._work: list[dict[str, torch.Tensor | int] | None] = [None] * num_layers
+        #: Per layer, from :meth:`prepare`: the path, the dtype and softcap it was built for, the
+        #: segment bias [B, M], and the path's tensors (a preallocated ``[segment ; decoded]``
+        #: buffer, a windowed layer's materialized segment, int8 rows).
+        self._work: list[dict | None] = [None] * num_layers
         self.latent = latent
         self.segments: list[StoredSegment | None] = [None] * num_layers
         self.cache_dtype_bytes = cache_dtype_bytes
@@ -337,7 +351,21 @@ class CompressedKVCache(KVCache):
         #: Decoded tokens dropped from the front of a windowed layer (out of every window).
         self.dropped: list[int] = [0] * num_layers
 
-    def set_segment(self, layer_idx: int, segment: StoredSegment) -> None:
+    def set_segment(
+        self,
+        layer_idx: int,
+        segment: StoredSegment,
+        *,
+        dtype: torch.dtype | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        """Store a layer's compressed segment (the prefill's result).
+
+        Args:
+            dtype: the dtype decoding will attend in (the model's); given, the layer is
+                :meth:`prepare`\ d now, so the prefill pays its one-time dequantization.
+            softcap: the layer's attention logit softcap (Gemma 3), for :meth:`prepare`.
+        """
         if self.latent and segment.head_map.shape[1] != 1:
             raise ValueError(
                 f"layer {layer_idx}: a latent (MLA) cache stores one latent head, got a segment "
@@ -348,6 +376,9 @@ class CompressedKVCache(KVCache):
                 f"layer {layer_idx} has a sliding window: its segment needs entry positions"
             )
         self.segments[layer_idx] = segment
+        self._work[layer_idx] = None
+        if dtype is not None:
+            self.prepare(layer_idx, dtype, softcap=softcap)
 
     def _segment(self, layer_idx: int) -> StoredSegment:
         seg = self.segments[layer_idx]
@@ -363,22 +394,24 @@ class CompressedKVCache(KVCache):
         """Attended entries of a layer: segment slots + held decoded tokens."""
         return self._segment(layer_idx).valid.shape[1] + super().length(layer_idx)
 
-    def update(
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):  # noqa: D102
+        raise TypeError(
+            "CompressedKVCache is read through attend(layer_idx, q, k, v, scale=, softcap=), "
+            "which appends and attends in one call; update() is not part of its API"
+        )
+
+    # ------------------------------------------------------------------ the reference path
+    def _hold(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k/v [B, Hk, T, D]; return [segment ; held decoded] keys/values
-        [B, Hk, M + S, D]. A windowed layer first drops the decoded tokens that the next query
-        (decoded index ``n``) cannot see: those before ``n - W + 1``.
-
-        Latent cache (MLA): ``k`` is the new latents ``[c_kv ‖ k_pe]`` [B, 1, T, R + Dr] and
-        ``v`` their ``c_kv`` [B, 1, T, R]; only ``k`` is held, and the decoded values are the
-        held keys' first ``R`` features (the segment's are its own: the keys' first features
-        for a latent segment, whatever a compressor that pulled K and V apart stored else)."""
+        """Append k/v [B, Hk, T, D] to the held decoded tokens (a concatenation); returns them
+        [B, Hk, S, D]. A windowed layer first drops the decoded tokens that the next query
+        (decoded index ``n``) cannot see: those before ``n - W + 1``. Latent cache: only ``k``
+        is held (``values`` stay None)."""
         if self.latent:
             held = self.keys[layer_idx]
             self.keys[layer_idx] = k_dec = k if held is None else torch.cat([held, k], 2)
-            k_seg, v_seg = self._segment(layer_idx).kv(k.dtype)  # [B, 1, M, R + Dr], [.., R]
-            return (torch.cat([k_seg, k_dec], 2), torch.cat([v_seg, k_dec[..., : v.shape[-1]]], 2))
+            return k_dec, k_dec[..., : v.shape[-1]]
         W = self.windows[layer_idx]
         held = self.keys[layer_idx]
         if W is not None and held is not None:
@@ -387,12 +420,24 @@ class CompressedKVCache(KVCache):
                 self.keys[layer_idx] = held[:, :, drop:]
                 self.values[layer_idx] = self.values[layer_idx][:, :, drop:]  # type: ignore[index]
                 self.dropped[layer_idx] += drop
-        k_dec, v_dec = super().update(layer_idx, k, v)  # [B, Hk, S, D]
+        return super().update(layer_idx, k, v)  # [B, Hk, S, D]
+
+    def _reference_kv(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decode_path="reference"``: append k/v, dequantize the segment, and return
+        ``[segment ; held decoded]`` keys/values [B, Hk, M + S, D], at every step.
+
+        Latent cache (MLA): ``k`` is the new latents ``[c_kv ‖ k_pe]`` [B, 1, T, R + Dr] and
+        ``v`` their ``c_kv`` [B, 1, T, R]; the decoded values are the held keys' first ``R``
+        features (the segment's are its own: the keys' first features for a latent segment,
+        whatever a compressor that pulled K and V apart stored else)."""
+        k_dec, v_dec = self._hold(layer_idx, k, v)
         k_seg, v_seg = self._segment(layer_idx).kv(k.dtype)  # [B, Hk, M, D]
         return torch.cat([k_seg, k_dec], 2), torch.cat([v_seg, v_dec], 2)
 
-    def attention_bias(self, layer_idx: int, T: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive bias of the last ``T`` decoded queries over ``[segment ; decoded]`` keys.
+    def _bias(self, layer_idx: int, T: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive bias of the last ``T`` decoded queries over ``[segment ; held decoded]``.
 
         Segment entries: ``log(count)`` where valid (as the in-loop seam), masked elsewhere;
         decoded tokens: causal. A windowed layer also masks entries and decoded tokens at
@@ -421,21 +466,77 @@ class CompressedKVCache(KVCache):
         dec_part = torch.where(dec_ok, zero, neg).expand(B, T, S)
         return torch.cat([seg_part.to(dtype), dec_part], dim=-1)[:, None]
 
-    # ------------------------------------------------------------------ fused decode step
-    def reads_packed(self, layer_idx: int) -> bool:
-        """Whether :meth:`attend` takes the packed paths for this layer: a packed, non-latent
-        segment with equal K/V widths (even), in a layer without a sliding window."""
+    # ------------------------------------------------------------------------ decoding
+    def reads_packed(self, layer_idx: int, softcap: float | None = None) -> bool:
+        """Whether the packed paths can read this layer: a packed, non-latent segment with
+        equal K/V widths (even), in a layer without a sliding window or logit softcap (the
+        packed kernels compute plain softmax attention)."""
         seg = self._segment(layer_idx)
         q = seg.quant
         return (
             q is not None
-            and self.decode_path != "reference"
+            and softcap is None
             and not self.latent
             and not q.latent
             and q.value_dim in (None, q.head_dim)
             and q.head_dim % 2 == 0
             and self.windows[layer_idx] is None
         )
+
+    def _path(self, layer_idx: int, softcap: float | None, device: torch.device) -> str:
+        """The path a layer takes (see the class docstring): ``"reference"``, ``"packed"``,
+        ``"int8"``, ``"buffer"`` or ``"window"`` (a windowed layer's buffer)."""
+        if self.decode_path == "reference":
+            return "reference"
+        if self.reads_packed(layer_idx, softcap) and self.decode_path != "buffer":
+            if self.decode_path == "auto":
+                return "packed" if device.type == "cuda" else "buffer"
+            return self.decode_path
+        return "window" if self.windows[layer_idx] is not None else "buffer"
+
+    def prepare(self, layer_idx: int, dtype: torch.dtype, *, softcap: float | None = None) -> None:
+        """Build a layer's working state for decoding in ``dtype``: the segment bias and, by
+        path, the segment dequantized (or rebuilt from its factors) into a working buffer
+        (``"buffer"``), or int4 unpacked into int8 rows (``"int8"``). The one dequantization
+        of the layer happens here; :meth:`set_segment` calls it when the prefill passes the
+        dtype."""
+        seg = self._segment(layer_idx)
+        device = seg.valid.device
+        path = self._path(layer_idx, softcap, device)
+        work: dict = {"path": path, "dtype": dtype, "softcap": softcap, "n": 0, "m": 0}
+        work["k"] = work["v"] = work["v_seg"] = work["quant"] = None
+        if path != "reference":
+            # log(count) of valid entries, -inf elsewhere [B, M] float32 (the reference's bias)
+            bias = count_bias(seg.counts.float(), torch.float32)
+            work["bias"] = bias.masked_fill(~seg.valid, float("-inf"))
+        if path in ("packed", "int8"):
+            quant = seg.quant
+            assert quant is not None
+            if path == "int8" and quant.bits == 4:  # the one unpacking of this layer
+                quant = dataclasses.replace(
+                    quant,
+                    bits=8,
+                    k_data=_int4_rows(quant.k_data, quant.head_dim),
+                    v_data=_int4_rows(quant.v_data, quant.head_dim),
+                )
+            work["quant"] = quant
+        elif path == "window":
+            work["k"], work["v"] = seg.kv(dtype)  # [B, Hk, M, D]: the one dequantization
+        elif path == "buffer":
+            k_seg, v_seg = seg.kv(dtype)  # [B, Hk, M, D]: the one dequantization of this layer
+            M = k_seg.shape[2]
+            kb = k_seg.new_empty(*k_seg.shape[:2], M + 64, k_seg.shape[3])
+            kb[:, :, :M] = k_seg
+            work["k"], work["m"] = kb, M
+            if self.latent and torch.equal(v_seg, k_seg[..., : v_seg.shape[-1]]):
+                work["dv"] = v_seg.shape[-1]  # the values are the buffer's first features
+            elif self.latent:
+                work["dv"], work["v_seg"] = v_seg.shape[-1], v_seg
+            else:
+                vb = v_seg.new_empty(*v_seg.shape[:2], M + 64, v_seg.shape[3])
+                vb[:, :, :M] = v_seg
+                work["v"] = vb
+        self._work[layer_idx] = work
 
     def attend(
         self,
@@ -444,38 +545,48 @@ class CompressedKVCache(KVCache):
         k: torch.Tensor,
         v: torch.Tensor,
         scale: float | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """One decode call of a layer: append the new tokens' K/V and attend.
 
         Args:
             q: [B, H, T, D] post-RoPE queries; k, v: [B, Hk, T, D] the same tokens' K/V.
+                Latent cache (MLA, absorbed): q [B, H, T, R + Dr] the absorbed queries
+                ``[q_nope·W_uk ‖ q_pe]``, k [B, 1, T, R + Dr] the new latents
+                ``[c_kv ‖ k_pe]``, v [B, 1, T, R] their ``c_kv``.
             scale: softmax scale (default ``D ** -0.5``).
+            softcap: logit softcap (``cap * tanh(logits / cap)``, Gemma 3), or None.
 
         Returns:
-            [B, H, T, D]: softmax over ``[segment (+ log count, invalid masked) ; decoded
-            (causal)]``, equal to :meth:`update` + :meth:`attention_bias` + SDPA (the reference)
-            up to float rounding. Layers :meth:`reads_packed` refuses take that reference path.
+            [B, H, T, Dv]: softmax over ``[segment (+ log count, invalid masked) ; decoded
+            (causal; a window slides over both)]``, equal to ``decode_path="reference"`` up to
+            float rounding (a latent cache: the latent output [B, H, T, R]).
         """
-        if not self.reads_packed(layer_idx):
-            k_all, v_all = self.update(layer_idx, k, v)  # [B, Hk, M + S, D]
-            bias = self.attention_bias(layer_idx, q.shape[2], q.dtype)
-            return F.scaled_dot_product_attention(
-                q,
-                k_all.to(q.dtype),
-                v_all.to(q.dtype),
-                attn_mask=bias,
-                scale=scale,
-                enable_gqa=True,
+        work = self._work[layer_idx]
+        if work is None or work["dtype"] != q.dtype or work["softcap"] != softcap:
+            if work is not None and (work["n"] or self.num_decoded(layer_idx)):
+                raise ValueError(
+                    f"layer {layer_idx} decodes in {q.dtype} with softcap={softcap}, but it was "
+                    f"prepared for {work['dtype']} with softcap={work['softcap']} and has "
+                    "decoded tokens already"
+                )
+            self.prepare(layer_idx, q.dtype, softcap=softcap)
+            work = self._work[layer_idx]
+            assert work is not None
+        path = work["path"]
+        if path in ("reference", "window"):
+            if path == "reference":
+                k_all, v_all = self._reference_kv(layer_idx, k, v)  # [B, Hk, M + S, D]
+            else:
+                k_dec, v_dec = self._hold(layer_idx, k, v)
+                k_all, v_all = torch.cat([work["k"], k_dec], 2), torch.cat([work["v"], v_dec], 2)
+            bias = self._bias(layer_idx, q.shape[2], q.dtype)  # [B, 1, T, M + S]
+            return attention_op(
+                q, k_all.to(q.dtype), v_all.to(q.dtype), mask=bias, scale=scale, softcap=softcap
             )
         seg = self._segment(layer_idx)
-        work = self._work[layer_idx]
-        if work is None:
-            path = self.decode_path
-            if path == "auto":
-                path = "packed" if q.is_cuda else "buffer"
-            work = self._work[layer_idx] = self._start(seg, k, path)
         k_dec, v_dec = self._append(layer_idx, work, k, v)  # [B, Hk, S, D] views
-        if work["path"] in ("packed", "int8"):
+        if path in ("packed", "int8"):
             return decode_attention(
                 q,
                 work["quant"],
@@ -511,79 +622,61 @@ class CompressedKVCache(KVCache):
                 ],
                 -1,
             )
-        kb, vb = work["k"][:, :, : M + S], work["v"][:, :, : M + S]
-        return F.scaled_dot_product_attention(
-            q, kb, vb, attn_mask=bias, scale=scale, enable_gqa=True
-        )
-
-    def _start(self, seg: StoredSegment, k: torch.Tensor, path: str) -> dict:
-        """A layer's working state at its first decode call: the segment bias and, for the
-        ``"buffer"`` path, the dequantized segment at the head of a preallocated buffer."""
-        bias = segment_bias(seg.counts, seg.valid)  # [B, M] float32, -inf invalid
-        quant = seg.quant
-        assert quant is not None
-        if path == "int8" and quant.bits == 4:  # the one unpacking of this layer
-            quant = dataclasses.replace(
-                quant,
-                bits=8,
-                k_data=_int4_rows(quant.k_data, quant.head_dim),
-                v_data=_int4_rows(quant.v_data, quant.head_dim),
-            )
-        if path != "buffer":
-            return {
-                "bias": bias,
-                "m": 0,
-                "k": None,
-                "v": None,
-                "n": 0,
-                "path": path,
-                "quant": quant,
-            }
-        k_seg, v_seg = seg.kv(k.dtype)  # [B, Hk, M, D]: the one dequantization of this layer
-        M = k_seg.shape[2]
-        kb = k.new_empty(*k_seg.shape[:2], M + 64, k_seg.shape[3])
-        vb = k.new_empty(*v_seg.shape[:2], M + 64, v_seg.shape[3])
-        kb[:, :, :M], vb[:, :, :M] = k_seg, v_seg
-        return {"bias": bias, "m": M, "k": kb, "v": vb, "n": 0, "path": path}
+        kb = work["k"][:, :, : M + S]  # [B, Hk, M + S, D]
+        if not self.latent:
+            vb = work["v"][:, :, : M + S]
+        elif work["v_seg"] is None:  # MLA: the values are the latents' first R features
+            vb = kb[..., : work["dv"]]
+        else:
+            vb = torch.cat([work["v_seg"], k_dec[..., : work["dv"]]], 2)
+        return attention_op(q, kb, vb, mask=bias, scale=scale, softcap=softcap)
 
     def _append(
         self, layer_idx: int, work: dict, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new K/V after the held ones (capacity doubles when full, so a step copies
-        nothing); ``keys``/``values`` stay the held tokens (views)."""
+        nothing); ``keys``/``values`` stay the held tokens (views; a latent cache holds keys
+        only)."""
         M, n, T = int(work["m"]), int(work["n"]), k.shape[2]
+        bufs = ("k",) if self.latent else ("k", "v")
+        new = {"k": k, "v": v}
         kb = work["k"]
         if kb is None or M + n + T > kb.shape[2]:
             cap = max(2 * (kb.shape[2] - M) if kb is not None else 0, n + T, 64)
-            new_k = k.new_empty(*k.shape[:2], M + cap, k.shape[3])
-            new_v = v.new_empty(*v.shape[:2], M + cap, v.shape[3])
-            if kb is not None:
-                new_k[:, :, : M + n] = kb[:, :, : M + n]
-                new_v[:, :, : M + n] = work["v"][:, :, : M + n]
-            work["k"], work["v"] = new_k, new_v
-        work["k"][:, :, M + n : M + n + T] = k
-        work["v"][:, :, M + n : M + n + T] = v
+            for name in bufs:
+                x, old = new[name], work[name]
+                grown = x.new_empty(*x.shape[:2], M + cap, x.shape[3])
+                if old is not None:
+                    grown[:, :, : M + n] = old[:, :, : M + n]
+                work[name] = grown
+        for name in bufs:
+            work[name][:, :, M + n : M + n + T] = new[name]
         work["n"] = n + T
         self.keys[layer_idx] = work["k"][:, :, M : M + n + T]
+        if self.latent:
+            return self.keys[layer_idx], self.keys[layer_idx][..., : v.shape[-1]]  # type: ignore[index]
         self.values[layer_idx] = work["v"][:, :, M : M + n + T]
         return self.keys[layer_idx], self.values[layer_idx]  # type: ignore[return-value]
 
     def working_bytes(self) -> int:
         """Bytes held beyond the stored cache (:meth:`kv_bytes` + :meth:`decoded_bytes`): the
-        ``"buffer"`` path's dequantized segments, the ``"int8"`` path's unpacked rows and every
-        layer's unused decoded capacity, at their real element sizes."""
+        ``"buffer"`` path's dequantized segments, the ``"int8"`` path's unpacked rows, a
+        windowed layer's materialized segment and every layer's unused decoded capacity, at
+        their real element sizes."""
         total = 0
         for i, work in enumerate(self._work):
             if work is None:
                 continue
             seg = self.segments[i]
-            if work.get("quant") is not None and seg is not None and work["quant"] is not seg.quant:
-                total += work["quant"].k_data.nbytes + work["quant"].v_data.nbytes  # int8 copy
-            if work["k"] is None:
-                continue
-            kb, vb = work["k"], work["v"]
-            held = (self.keys[i].numel() + self.values[i].numel()) * kb.element_size()
-            total += kb.numel() * kb.element_size() + vb.numel() * vb.element_size() - held
+            quant = work.get("quant")
+            if quant is not None and seg is not None and quant is not seg.quant:
+                total += quant.k_data.nbytes + quant.v_data.nbytes  # int8 copy
+            held = [t for t in (self.keys[i], self.values[i]) if t is not None]
+            if work["path"] in ("window", "reference"):  # held decoded tokens: not in a buffer
+                held = []
+            bufs = [work[n] for n in ("k", "v", "v_seg") if work.get(n) is not None]
+            total += sum(t.numel() * t.element_size() for t in bufs)
+            total -= sum(t.numel() * t.element_size() for t in held)
         return total
 
     # ----------------------------------------------------------------------------- bytes

@@ -9,7 +9,14 @@ Shape legend: B, P, T, V = batch, prompt tokens, tokens, vocab.
                                                                                    │
     CompressedKVCache (unicache_train.model.compressed_cache): one stored segment per layer
                                                                                    │
-    decode step: new token ─► q,k,v ─► attends [stored segment (+log count) ; decoded K/V]
+    decode step: new token ─► q,k,v ─► cache.attend: [stored segment (+log count) ; decoded K/V]
+
+Decode steps read the cache through one call,
+:meth:`~unicache_train.model.compressed_cache.CompressedKVCache.attend` (append the token's K/V
+and attend), the same call stock transformers ``generate()`` makes through
+:class:`~unicache_train.transformers_cache.CompressedCache`; its ``decode_path`` picks how a
+packed segment is read, and the prefill prepares every layer for it (the one dequantization of
+a segment happens in the prefill, not in the first decode step).
 
 This is what the in-loop training forward computes in parallel
 (docs/architecture.md#in-loop-semantics): for a sample split at ``s``, the logits of positions
@@ -71,6 +78,7 @@ def prefill_compressed(
     modality_ids: torch.Tensor | None = None,
     inputs_embeds: torch.Tensor | None = None,
     cache_dtype_bytes: int = 2,
+    decode_path: str = "auto",
 ) -> tuple[CompressedKVCache, torch.Tensor]:
     """Prefill the prompts ``input_ids[b, :split[b]]`` and compress every layer's cache.
 
@@ -87,6 +95,11 @@ def prefill_compressed(
             :meth:`~unicache_train.model.vlm.VisionLanguageModel.embed`); ``input_ids`` still
             gives the shape and the decoded tokens are embedded as usual.
         cache_dtype_bytes: bytes per element of the deployed floating cache (accounting).
+        decode_path: how decode steps read each segment
+            (:class:`~unicache_train.model.compressed_cache.CompressedKVCache`; default
+            ``"auto"``). Every layer is prepared for it here, at the prefill's dtype: the one
+            dequantization (or unpacking) of a segment is paid now, not in the first decode
+            step.
 
     Returns:
         (cache, logits [B, V] of each prompt's last token, i.e. the first generated token's).
@@ -119,7 +132,10 @@ def prefill_compressed(
     L = model.config.num_hidden_layers
     windows = [model.config.layer_window(i) for i in range(L)]
     latent = model.config.attention_type == "mla"
-    cache = CompressedKVCache(L, cache_dtype_bytes, windows=windows, latent=latent)
+    cache = CompressedKVCache(
+        L, cache_dtype_bytes, windows=windows, latent=latent, decode_path=decode_path
+    )
+    softcap = None if latent else model.config.attn_logit_softcapping
     for layer_idx, seg in capture.segments.items():
         if capture.pre_rope and seg.quant is not None:
             raise NotImplementedError(
@@ -132,7 +148,9 @@ def prefill_compressed(
         if windows[layer_idx] is not None:
             # The window's context tokens (model/attention.py); the window compares positions.
             stored.positions = seg.positions
-        cache.set_segment(layer_idx, stored)
+        # The decode steps attend in the prefill's dtype (the model's): prepare the layer now.
+        dtype = capture.inputs[layer_idx].keys.dtype
+        cache.set_segment(layer_idx, stored, dtype=dtype, softcap=softcap)
     cache.stats = out.compression_stats
     return cache, out.logits[:, 0]  # [B, V]
 
@@ -154,6 +172,7 @@ def decode_teacher_forced(
     *,
     modality_ids: torch.Tensor | None = None,
     inputs_embeds: torch.Tensor | None = None,
+    decode_path: str = "auto",
 ) -> tuple[torch.Tensor, CompressedKVCache]:
     """Prefill ``[0, split)``, compress, then feed the continuation one token at a time.
 
@@ -161,6 +180,7 @@ def decode_teacher_forced(
         input_ids: [B, T].
         split: int or [B].
         inputs_embeds: [B, T, C] prompt embeddings (see :func:`prefill_compressed`).
+        decode_path: see :func:`prefill_compressed`.
 
     Returns:
         (logits [B, T, V] with NaN before position ``split[b] - 1``, the cache).
@@ -174,6 +194,7 @@ def decode_teacher_forced(
         compressor,
         modality_ids=modality_ids,
         inputs_embeds=inputs_embeds,
+        decode_path=decode_path,
     )
     V = first.shape[-1]
     out = torch.full((B, T, V), float("nan"), dtype=first.dtype, device=first.device)
@@ -212,6 +233,7 @@ def generate_compressed(
     eos_token_id: int | None = None,
     modality_ids: torch.Tensor | None = None,
     inputs_embeds: torch.Tensor | None = None,
+    decode_path: str = "auto",
 ) -> CompressedGeneration:
     """Greedy decoding after the prompts ``input_ids[b, :split[b]]``, on the compressed cache.
 
@@ -224,6 +246,7 @@ def generate_compressed(
         eos_token_id: once emitted, a sequence keeps emitting it.
         modality_ids: [B, P] of the prompts (default: text).
         inputs_embeds: [B, P, C] prompt embeddings (see :func:`prefill_compressed`).
+        decode_path: see :func:`prefill_compressed`.
 
     Returns:
         :class:`CompressedGeneration`.
@@ -239,6 +262,7 @@ def generate_compressed(
         compressor,
         modality_ids=modality_ids,
         inputs_embeds=inputs_embeds,
+        decode_path=decode_path,
     )
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     out = []

@@ -266,18 +266,22 @@ class MLAttention(nn.Module):
         cache: CompressedKVCache,
     ) -> torch.Tensor:
         """Decode on a compressed latent cache: the new latents join the decoded ones, and the
-        queries attend (absorbed form) to ``[stored segment (+ log count) ; decoded latents]``,
-        which is what the seam's continuation queries attend to in the in-loop forward
-        (``_attend_segment``, expanded form; equal to fp32 round-off). Returns [B, H, T, Dv]."""
+        queries attend (absorbed form) to ``[stored segment (+ log count) ; decoded latents]``
+        through :meth:`CompressedKVCache.attend` (which returns the latent output; ``W_uv`` is
+        applied here), which is what the seam's continuation queries attend to in the in-loop
+        forward (``_attend_segment``, expanded form; equal to fp32 round-off).
+        Returns [B, H, T, Dv]."""
         if not cache.latent:
             raise TypeError(
                 "MLA decoding on a compressed cache needs a latent one (c_kv ‖ k_pe): build it "
                 "with CompressedKVCache(num_layers, latent=True), as "
                 "unicache_train.model.generate.prefill_compressed does for an MLA model"
             )
-        keys, values = cache.update(self.layer_idx, torch.cat([c_kv, k_pe], dim=-1), c_kv)
-        bias = cache.attention_bias(self.layer_idx, q_nope.shape[2], q_nope.dtype)  # [B,1,T,M+S]
-        return self.attend_absorbed(q_nope, q_pe, keys, values, bias)
+        q = torch.cat([self.absorb_query(q_nope), q_pe], dim=-1)  # [B, H, T, R + Dr]
+        latents = torch.cat([c_kv, k_pe], dim=-1)  # [B, 1, T, R + Dr]
+        # NOTE: the softmax scale stays (Dn + Dr)^-1/2 (see attend_absorbed).
+        o_lat = cache.attend(self.layer_idx, q, latents, c_kv, scale=self.scaling)  # [B,H,T,R]
+        return self._values_from_latent(o_lat)
 
     def attend_absorbed(
         self,
@@ -309,6 +313,11 @@ class MLAttention(nn.Module):
             scale=self.scaling,
             enable_gqa=True,
         )  # [B, H, T, R]
+        return self._values_from_latent(o_lat)
+
+    def _values_from_latent(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """The absorbed attention's latent output [B, H, T, R] -> per-head values
+        ``o_lat · W_uvᵀ`` [B, H, T, Dv]."""
         _, w_uv = self._up_weights()
         return torch.einsum("bhtr,hvr->bhtv", o_lat, w_uv)  # [B, H, T, Dv]
 
