@@ -184,6 +184,68 @@ def check(tmp_path: Path, family: str, policy_name: str) -> dict[str, float]:
     return {"max_logit_diff": diff, "kv_bytes": cache.kv_bytes(), "baseline_bytes": baseline}
 
 
+# What a second generate() on a cache that already served one does, per transformers version
+# (the reuse guard, unicache_train/transformers_cache.py). Two signals exist: the public one,
+# a multi-token forward into a cache that decoded (``CompressedCache._update``), and the private
+# mark ``cache._is_user_defined = True`` that generate() sets on a caller's cache from some
+# version after 5.2 (5.25 does; 5.2 does not). A new prompt exactly one token longer than what
+# the cache has seen cannot be told from a continuation by the cache (it sees K/V, not ids):
+# without the mark it continues. The keys: (transformers major.minor, marked).
+REUSE = {
+    ("5.25", True): dict(same="refused", shorter="refused", one_more="refused", longer="refused"),
+    # a later transformers that stopped marking: the public signal still refuses these
+    ("5.25", False): dict(same="refused", shorter="refused", one_more="runs", longer="refused"),
+    # 5.2 never marks; a prompt no longer than what was seen fails inside generate() (an empty
+    # cache_position, IndexError) before any forward
+    ("5.2", False): dict(
+        same="IndexError", shorter="IndexError", one_more="runs", longer="refused"
+    ),
+}
+
+
+def reuse_outcomes(out: Path) -> dict[str, str]:
+    """Each case on a fresh cache that served one generate(): 'refused' (our RuntimeError
+    naming reset()), 'runs', or the name of the error transformers raised."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation=ATTN_IMPLEMENTATION
+    ).eval()
+    ids = torch.randint(3, 50, (1, 20), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    other = torch.randint(3, 50, (1, 40), generator=torch.Generator().manual_seed(1))
+    outcomes = {}
+    for case in ("same", "shorter", "one_more", "longer"):
+        cache = CompressedCache.from_pretrained(out)
+        model.generate(ids, **{CACHE_ARGUMENT: cache}, **kw)  # the cache saw 20 + 3 tokens
+        again = {"same": ids, "shorter": ids[:, :15], "longer": other}.get(case, other[:, :24])
+        try:
+            model.generate(again, **{CACHE_ARGUMENT: cache}, **kw)
+            outcomes[case] = "runs"
+        except RuntimeError as err:
+            outcomes[case] = "refused" if "call cache.reset()" in str(err) else "RuntimeError"
+        except Exception as err:  # noqa: BLE001 (recorded: what transformers raised)
+            outcomes[case] = type(err).__name__
+    return outcomes
+
+
+def marks_caller_cache() -> bool:
+    """Whether this transformers' generate() marks a caller's cache (``_is_user_defined``)."""
+    import inspect
+
+    from transformers.generation import utils
+
+    return "_is_user_defined = True" in inspect.getsource(utils)
+
+
+def check_reuse(tmp_path: Path) -> str:
+    """Assert this version's row of :data:`REUSE`; returns a one-line report."""
+    key = (".".join(transformers.__version__.split(".")[:2]), marks_caller_cache())
+    if key not in REUSE:
+        raise AssertionError(f"no REUSE row for transformers {key}: record what happens")
+    got = reuse_outcomes(export(tmp_path, "llama", "unicache_int8"))
+    assert got == REUSE[key], (key, got)
+    return f"transformers {transformers.__version__} reuse guard (marked={key[1]}): as recorded"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True, help="scratch directory for the exports")
@@ -197,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         family, policy_name = case.split(":")
         got = check(Path(args.out), family, policy_name)
         print(f"transformers {transformers.__version__} {case}: ok {got}")
+    print(check_reuse(Path(args.out)))
 
 
 if __name__ == "__main__":

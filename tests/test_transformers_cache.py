@@ -128,6 +128,7 @@ def test_lower_bound_transformers(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count(": ok ") == 3, proc.stdout
+    assert "reuse guard (marked=False): as recorded" in proc.stdout, proc.stdout
 
 
 def test_cli_generate_from_export(tmp_path, capsys):
@@ -195,6 +196,18 @@ def test_second_generate_is_refused_until_reset(tmp_path):
         model(ids[:, :12], **{CACHE_ARGUMENT: hand})  # the context, compressed here
     cont = model.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE_ARGUMENT: hand}, **kw)
     assert cont.shape == first.shape
+
+
+def test_reuse_guard_does_what_is_recorded_for_this_version(tmp_path, monkeypatch):
+    """A second generate() on a used cache, per version (``cache_exactness.REUSE``; the lower
+    bound runs its own row in test_lower_bound_transformers): with this version's private mark
+    everything is refused; without it (a later transformers that drops the mark, simulated by
+    removing our property) the public signal, a multi-token forward after decoding, still
+    refuses every prompt but one exactly one token longer than what the cache saw."""
+    assert ce.check_reuse(tmp_path).endswith("as recorded")
+    monkeypatch.setattr(CompressedCache, "_is_user_defined", None)  # a plain attribute now
+    got = ce.reuse_outcomes(ce.export(tmp_path / "unmarked", "llama", "unicache_int8"))
+    assert got == ce.REUSE[(".".join(transformers.__version__.split(".")[:2]), False)]
 
 
 def test_beam_search_and_chunked_prefill_keep_clear_errors(tmp_path):

@@ -51,10 +51,17 @@ int8 rows, segment bias) is done when the prefill stores each layer's segment.
 
 One cache serves one prompt (batch): a second ``generate()`` on a cache that already decoded
 raises and names :meth:`CompressedCache.reset`. Prefilling by hand and then calling
-``generate()`` with the full ids once (transformers' "continue from a cache") is allowed.
+``generate()`` with the full ids once (transformers' "continue from a cache") is allowed. The
+guard has two signals: a multi-token forward into a cache that decoded (public behaviour, every
+version), and the mark transformers' ``generate()`` sets on a caller's cache
+(``cache._is_user_defined = True``: 5.25 does, 5.2 does not). The cache sees K/V, not ids, so
+without the mark a new prompt exactly one token longer than what it has seen is taken as a
+continuation; on 5.2 a prompt no longer than that fails inside ``generate()`` (IndexError).
+What each version does is recorded and tested (``tests/cache_exactness.py``, ``REUSE``).
 
 Supported: Llama, Qwen2, Qwen3, Mistral exports and our mHC remote-code export, transformers
-5.2 (tested in CI's kvpress environment when present) to 5.24 (the project's). Not supported:
+5.2 (tested in the ``make tf-lower`` or kvpress environment when present) to 5.25 (the
+project's). Not supported:
 MLA (DeepseekV3) exports, beam search (``reorder_cache``), chunked prefill (the prompt must go in
 one forward, as ``generate`` does), sliding-window layers.
 
@@ -276,10 +283,11 @@ class CompressedCache(Cache):
                 "its decoded tokens): call cache.reset() before the next prompt"
             )
 
-    # transformers' generate() marks a cache passed by the caller at its start (5.24:
-    # ``cache._is_user_defined = True``): a second call on a cache that decoded is a new prompt
-    # on old state, which would silently give other tokens. ``_update`` also refuses a
-    # multi-token forward after decoding (the first forward of another generate()).
+    # transformers' generate() marks a cache passed by the caller at its start (5.25:
+    # ``cache._is_user_defined = True``; 5.2 does not): a second call on a cache that decoded is
+    # a new prompt on old state, which would silently give other tokens. The version-independent
+    # signal is in ``_update``: a multi-token forward after decoding (the first forward of
+    # another generate()). Per version: tests/cache_exactness.py, REUSE.
     @property
     def _is_user_defined(self) -> bool:
         return self.__dict__.get("_user_defined", False)

@@ -9,7 +9,16 @@ decoded tokens, new tokens of a call, head dim.
     CompressedKVCache, per layer:  stored segment (packed int8/int4 + scales when quantized,
                                    one copy per head group, counts, valid)  +  decoded K/V [S]
                                                                                    │
-    decode step: new token ─► q,k,v ─► attends [dequantized segment (+log count) ; decoded K/V]
+    decode step: new token ─► q,k,v ─► attend(): [segment (+log count) ; decoded K/V]
+
+One way in: :meth:`CompressedKVCache.attend` appends a decode call's K/V and attends, and every
+decoder reads the cache through it (our attention, MLA, stock transformers ``generate()`` via
+:class:`unicache_train.transformers_cache.CompressedCache`, the evaluations that decode with our
+loop). Its ``decode_path`` decides how a segment is read (packed bytes at every step, int8 rows,
+or a working buffer dequantized once); the one-time work is done by :meth:`CompressedKVCache.
+prepare`, which the prefill triggers when it stores each layer's segment, so the first decode
+step dequantizes nothing. ``decode_path="reference"`` (dequantize and concatenate at every step)
+is the spec the tests compare the others with; no decoder takes it by default.
 
 Sliding-window layers (``windows[l] = W``): the stored segment is the last ``W - 1`` context
 tokens unchanged (the seam never compresses them, model/attention.py), and both the segment and
@@ -24,8 +33,9 @@ factors of a low-rank (xKV) segment.
 MLA (``CompressedKVCache(latent=True)``, :mod:`unicache_train.model.mla`): one "KV head" holding
 the latent ``[c_kv ‖ k_pe]`` [B, 1, ., R + Dr]; the values are its first ``R`` features. A latent
 segment (UniCache merge/evict + quantization, xKV) is stored once (packed once, or the keys'
-factors only) and the decoded tokens' latents once; :meth:`CompressedKVCache.update` hands MLA's
-absorbed attention ``keys [B, 1, M + S, R + Dr]`` and ``values = keys[..., :R]``. Bytes: a latent
+factors only) and the decoded tokens' latents once; :meth:`CompressedKVCache.attend` runs MLA's
+absorbed attention over ``keys [B, 1, M + S, R + Dr]`` and ``values = keys[..., :R]`` and returns
+the latent output [B, H, T, R] (MLA applies ``W_uv``). Bytes: a latent
 segment counts ``R + Dr`` elements per entry (plus scales), the uncompressed baseline
 ``(R + Dr) x 2`` bytes per token per layer.
 """
