@@ -164,7 +164,7 @@ def test_scorer_replaces_only_the_importance_step() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "allowed"),
     [
-        ("method", "h2o", "['unicache', 'sinks_recent', 'snapkv', 'retention']"),
+        ("method", "h2o", "['unicache', 'sinks_recent', 'snapkv', 'retention', 'attention']"),
         ("kernel", 4, "1, 3, 5, ..., 63"),
         ("window", 0, "[1, 4096]"),
         ("sinks", -1, "[0, 1024]"),

@@ -55,6 +55,7 @@ def build_compressor(
     model: torch.nn.Module | None = None,
     *,
     retention: torch.nn.Module | None = None,
+    attention_scorer: torch.nn.Module | None = None,
 ) -> KVCompressor:
     """The compressor a run trains with: UniCache, xKV, UniCache then xKV, or the identity (on
     private copies of the configs), each owning its rate schedule (``curriculum_steps``: the
@@ -67,7 +68,11 @@ def build_compressor(
     none; :func:`unicache_train.compress.retention.attach_retention`), so the optimizer,
     checkpoints and parameter counts see it, and the compressor holds a reference to it. Call
     this before the optimizer is built. A serving side passes a standalone policy instead
-    (``retention``, e.g. :func:`unicache_train.compress.retention.read_retention`)."""
+    (``retention``, e.g. :func:`unicache_train.compress.retention.read_retention`).
+
+    The learned attention-regression scorer (``unicache.selection.method == "attention"``,
+    :mod:`unicache_train.compress.attention_scorer`) is fitted on a frozen backbone and passed
+    in (``attention_scorer``); it is not a model parameter."""
     if config.method == "none":
         return IdentityCompressor()
     from unicache_train.compress import UniCacheCompressor, UniCacheConfig
@@ -76,6 +81,18 @@ def build_compressor(
     cfg = config.unicache
     assert isinstance(cfg, UniCacheConfig)  # resolved by CompressionTrainConfig.__post_init__
     steps = config.curriculum_steps
+    if cfg.selection.method == "attention":
+        if config.method != "unicache" or attention_scorer is None:
+            raise ValueError(
+                "unicache.selection.method='attention' needs compress.method='unicache' (got "
+                f"{config.method!r}) and its fitted AttentionScorer: build_compressor(config, "
+                "attention_scorer=...) (unicache_train.train.scorer_fit.fit_attention_scorer)"
+            )
+        return UniCacheCompressor(
+            UniCacheConfig.from_dict(cfg.to_dict()),
+            attention_scorer=attention_scorer,
+            curriculum_steps=steps,
+        )
     if cfg.selection.method == "retention":
         if config.method != "unicache":
             raise ValueError(

@@ -159,6 +159,7 @@ def export_hf(
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
     tokenizer_from: Any = None,
+    attention_scorer: Any = None,
 ) -> Path:
     """Write a directory that serves as it is: ``config.json`` + ``model.safetensors`` that
     ``AutoModelForCausalLM.from_pretrained`` loads (mHC models: plus the remote-code files; load
@@ -185,6 +186,9 @@ def export_hf(
             ``generation_config.json`` and chat template are copied verbatim; ``"byte"`` (our
             byte tokenizer, written in HF form); or a tokenizer object (``save_pretrained``).
             Default: ``model.hf_source_dir``, the directory :func:`import_hf` read.
+        attention_scorer: the fitted :class:`~unicache_train.compress.attention_scorer.
+            AttentionScorer` a policy with ``selection.method="attention"`` ships beside the
+            weights.
 
     Returns:
         ``out_dir`` as a :class:`Path`.
@@ -217,6 +221,7 @@ def export_hf(
         source,
         compression_policy=compression_policy,
         retention=retention_state(model),
+        attention_scorer=attention_scorer,
         remote_code=[_REMOTE_CODE / name for name in code] if model.config.uses_streams else (),
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,

@@ -12,6 +12,8 @@ Written by every export of a run that trained with KV compression in the loop
                 "xkv": {<the resolved XKVConfig>},          (xKV methods only)
                 "retention": {"file": "kv_retention.safetensors"}}}
                                                     (a learned retention policy only)
+                "attention_scorer": {"file": "kv_attention_scorer.safetensors"}
+                                                    (the attention-regression scorer only)
 
 The policy holds resolved configurations (every field), so a reader rebuilds exactly the
 compressor the run trained with, whatever the defaults of the reading version. A learned
@@ -39,23 +41,34 @@ __all__ = [
     "read_policy",
     "compressor_from_policy",
     "uses_retention",
+    "uses_attention_scorer",
 ]
 
 COMPRESSION_CONFIG = "compression_config.json"
 COMPRESSION_SCHEMA_VERSION = 1
 _DOC_KEYS = {"schema_version", "format", "library", "policy"}
-_POLICY_KEYS = {"method", "preset", "unicache", "xkv", "retention"}
+_POLICY_KEYS = {"method", "preset", "unicache", "xkv", "retention", "attention_scorer"}
 # The retention file's name: a bare name in the export directory (no separators, no "..").
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\.safetensors$")
 
 
-def uses_retention(policy: dict[str, Any] | None) -> bool:
-    """Whether a policy selects tokens with a learned retention policy (which has weights)."""
+def _selection_method(policy: dict[str, Any] | None) -> str | None:
     if not isinstance(policy, dict) or policy.get("method") in (None, "none"):
-        return False
+        return None
     unicache = policy.get("unicache")
     selection = unicache.get("selection") if isinstance(unicache, dict) else None
-    return isinstance(selection, dict) and selection.get("method") == "retention"
+    return selection.get("method") if isinstance(selection, dict) else None
+
+
+def uses_retention(policy: dict[str, Any] | None) -> bool:
+    """Whether a policy selects tokens with a learned retention policy (which has weights)."""
+    return _selection_method(policy) == "retention"
+
+
+def uses_attention_scorer(policy: dict[str, Any] | None) -> bool:
+    """Whether a policy selects tokens with the attention-regression scorer (which has
+    weights, :mod:`unicache_train.compress.attention_scorer`)."""
+    return _selection_method(policy) == "attention"
 
 
 def policy_of(compress: CompressionTrainConfig) -> dict[str, Any] | None:
@@ -160,29 +173,34 @@ def read_policy(export_dir: str | Path) -> dict[str, Any] | None:
 
 
 def _check_retention_entry(file: Path, policy: dict[str, Any]) -> None:
-    """``policy.retention`` is present exactly when the selection is learned, and names a
-    bare ``*.safetensors`` file that exists beside ``file``."""
-    entry = policy.get("retention")
-    if not uses_retention(policy):
-        if entry is not None:
+    """``policy.retention`` (``policy.attention_scorer``) is present exactly when the selection
+    is a learned retention policy (the attention-regression scorer), and names a bare
+    ``*.safetensors`` file that exists beside ``file``."""
+    for key, method, used, what in (
+        ("retention", "retention", uses_retention(policy), "a learned retention policy"),
+        ("attention_scorer", "attention", uses_attention_scorer(policy), "an attention scorer"),
+    ):
+        entry = policy.get(key)
+        if not used:
+            if entry is not None:
+                raise ConfigError(
+                    f"{file}: policy.{key}={entry!r} but unicache.selection.method is not "
+                    f"{method!r} (the weights would be ignored)"
+                )
+            continue
+        name = entry.get("file") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or set(entry) != {"file"} or not isinstance(name, str):
             raise ConfigError(
-                f"{file}: policy.retention={entry!r} but unicache.selection.method is not "
-                "'retention' (the weights would be ignored)"
+                f"{file}: policy.{key}={entry!r}; {what} needs "
+                "{'file': '<name>.safetensors'} (its weights, beside this file)"
             )
-        return
-    name = entry.get("file") if isinstance(entry, dict) else None
-    if not isinstance(entry, dict) or set(entry) != {"file"} or not isinstance(name, str):
-        raise ConfigError(
-            f"{file}: policy.retention={entry!r}; a learned retention policy needs "
-            "{'file': '<name>.safetensors'} (its weights, beside this file)"
-        )
-    if not _FILE_NAME.match(name):
-        raise ConfigError(
-            f"{file}: policy.retention.file={name!r} is not allowed; expected a bare file name "
-            "ending in .safetensors (letters, digits, '_', '-', '.'; no path)"
-        )
-    if not (file.parent / name).is_file():
-        raise ConfigError(f"{file}: policy.retention.file={name!r} does not exist in {file.parent}")
+        if not _FILE_NAME.match(name):
+            raise ConfigError(
+                f"{file}: policy.{key}.file={name!r} is not allowed; expected a bare file name "
+                "ending in .safetensors (letters, digits, '_', '-', '.'; no path)"
+            )
+        if not (file.parent / name).is_file():
+            raise ConfigError(f"{file}: policy.{key}.file={name!r} does not exist in {file.parent}")
 
 
 def compression_config_of(policy: dict[str, Any] | None) -> CompressionTrainConfig:
@@ -216,6 +234,22 @@ def compressor_from_policy(
     from unicache_train.inloop import build_compressor
 
     config = compression_config_of(policy)
+    if uses_attention_scorer(policy):
+        from unicache_train.compress.attention_scorer import read_attention_scorer
+
+        entry = policy.get("attention_scorer") if isinstance(policy, dict) else None
+        name = entry.get("file") if isinstance(entry, dict) else None
+        if export_dir is None or not isinstance(name, str) or not _FILE_NAME.match(name):
+            raise ConfigError(
+                "an attention-scorer policy needs its weights: pass the export directory "
+                "(compressor_from_policy(read_policy(DIR), DIR)) of a policy naming its file "
+                f"(policy.attention_scorer={entry!r})"
+            )
+        try:
+            scorer = read_attention_scorer(Path(export_dir) / name, shape)
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(str(err)) from None
+        return build_compressor(config, attention_scorer=scorer)
     if not uses_retention(policy):
         return build_compressor(config)
     from unicache_train.compress.retention import read_retention

@@ -342,6 +342,7 @@ def write_export_dir(
     *,
     compression_policy: dict[str, Any] | None = None,
     retention: dict[str, Any] | None = None,
+    attention_scorer: Any = None,
     remote_code: Sequence[Path] = (),
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
@@ -356,7 +357,10 @@ def write_export_dir(
     "retention"``) needs its weights: ``retention`` (the model's
     :func:`~unicache_train.compress.retention.retention_state`) goes to
     ``kv_retention.safetensors`` and the policy names that file (``"retention": {"file": ...}``).
-    A model's retention weights are not written when the policy does not use them.
+    A model's retention weights are not written when the policy does not use them. The same for
+    the attention-regression scorer (``"attention"``): ``attention_scorer`` (an
+    :class:`~unicache_train.compress.attention_scorer.AttentionScorer`) goes to
+    ``kv_attention_scorer.safetensors``, named by ``"attention_scorer": {"file": ...}``.
 
     Returns:
         ``out_dir`` as a :class:`Path`.
@@ -369,8 +373,13 @@ def write_export_dir(
     from unicache_train.checkpoint.integrity import write_manifest
     from unicache_train.checkpoint.policy import (
         COMPRESSION_CONFIG,
+        uses_attention_scorer,
         uses_retention,
         write_compression_config,
+    )
+    from unicache_train.compress.attention_scorer import (
+        ATTENTION_SCORER_FILE,
+        save_attention_scorer,
     )
     from unicache_train.compress.retention import RETENTION_FILE
 
@@ -381,13 +390,26 @@ def write_export_dir(
             "(unicache.selection.method='retention') but the model has none (model."
             "kv_retention): export the model the run trained, or a policy without it"
         )
+    if uses_attention_scorer(compression_policy) and attention_scorer is None:
+        raise ValueError(
+            "the compression policy selects with the attention scorer "
+            "(unicache.selection.method='attention'): pass its fitted AttentionScorer "
+            "(attention_scorer=...)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     save_file(state_dict, str(out / "model.safetensors"), metadata={"format": "pt"})
     for file in remote_code:
         shutil.copyfile(file, out / file.name)
     (out / RETENTION_FILE).unlink(missing_ok=True)  # never a stale policy's weights
+    (out / ATTENTION_SCORER_FILE).unlink(missing_ok=True)
     if compression_policy is not None:
+        if uses_attention_scorer(compression_policy):
+            save_attention_scorer(attention_scorer, out / ATTENTION_SCORER_FILE)
+            compression_policy = {
+                **compression_policy,
+                "attention_scorer": {"file": ATTENTION_SCORER_FILE},
+            }
         if uses_retention(compression_policy):
             save_file(
                 retention, str(out / RETENTION_FILE), metadata={"format": "unicache_retention"}

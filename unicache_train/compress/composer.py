@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from unicache_train.compress.attention_scorer import AttentionScore, AttentionScorer
 from unicache_train.compress.budget import ModalityBudget
 from unicache_train.compress.config import MAX_RATE, UniCacheConfig
 from unicache_train.compress.fallback import DynamicFallback
@@ -266,11 +267,22 @@ class UniCacheCompressor(ComposedCompressor):
         config: UniCacheConfig | None = None,
         *,
         retention: RetentionPolicy | None = None,
+        attention_scorer: AttentionScorer | None = None,
         curriculum_steps: int = 0,
     ) -> None:
         cfg = config if config is not None else UniCacheConfig()
         self.config = cfg
         sel = cfg.selection
+        if (sel.method == "attention") != (attention_scorer is not None):
+            raise ValueError(
+                f"UniCacheCompressor: selection.method={sel.method!r} "
+                + (
+                    "needs an AttentionScorer (unicache_train.train.scorer_fit."
+                    "fit_attention_scorer, or compress.attention_scorer.read_attention_scorer)"
+                    if attention_scorer is None
+                    else "takes no AttentionScorer; set selection.method='attention' to use it"
+                )
+            )
         if (sel.method == "retention") != (retention is not None):
             raise ValueError(
                 f"UniCacheCompressor: selection.method={sel.method!r} "
@@ -290,6 +302,8 @@ class UniCacheCompressor(ComposedCompressor):
             scorer = SnapKV(**vars(sel))
         elif sel.method == "retention":
             scorer = RetentionScore(**vars(sel), policy=retention)
+        elif sel.method == "attention":
+            scorer = AttentionScore(**vars(sel), scorer=attention_scorer)
         else:
             scorer = Importance(**vars(cfg.importance))
         steps: list[CompressionStep] = [
@@ -305,6 +319,7 @@ class UniCacheCompressor(ComposedCompressor):
             steps.append(RetentionGate(**vars(sel), policy=retention))
         steps.append(Quantize(**vars(cfg.quantize)))
         self.retention = retention
+        self.attention_scorer = attention_scorer
         self._quantize = steps[-1]  # also quantizes sliding windows (compress_window)
         imp = cfg.importance
         super().__init__(

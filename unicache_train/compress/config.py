@@ -360,7 +360,7 @@ class FallbackConfig(ConfigBase):
 
 
 #: The token scorers a UniCache pipeline can rank its context tokens with (SelectionConfig.method).
-SELECTION_METHODS = ("unicache", "sinks_recent", "snapkv", "retention")
+SELECTION_METHODS = ("unicache", "sinks_recent", "snapkv", "retention", "attention")
 
 #: The continuous relaxations of a learned retention policy in training (SelectionConfig).
 RETENTION_RELAXATIONS = ("gumbel_sigmoid", "st_topk")

@@ -135,6 +135,13 @@ def retention() -> UniCacheConfig:
     return _selection("retention")
 
 
+def attention() -> UniCacheConfig:
+    """The learned attention-regression scorer (KVzap / Locret style,
+    :mod:`unicache_train.compress.attention_scorer`): sinks and a recent window kept, the rest
+    ranked by the predicted attention."""
+    return _selection("attention")
+
+
 def _revalidate(cfg: UniCacheConfig) -> UniCacheConfig:
     # Attribute edits bypass __post_init__: rebuild so a preset can never carry a bad value.
     return UniCacheConfig.from_dict(cfg.to_dict())
@@ -150,6 +157,7 @@ PRESETS: dict[str, Callable[[], UniCacheConfig]] = {
     "sinks_recent": sinks_recent,
     "snapkv": snapkv,
     "retention": retention,
+    "attention": attention,
 }
 
 

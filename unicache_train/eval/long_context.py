@@ -210,7 +210,7 @@ def _decode(
     L = model.config.num_hidden_layers
     cache = CompressedKVCache(L)
     for layer_idx, seg in segs.items():
-        cache.set_segment(layer_idx, seg)
+        cache.set_segment(layer_idx, seg, dtype=next(model.parameters()).dtype)
     B = len(prompts)
     q_len = [len(p) for p in prompts]
     total = max(q + n for q, n in zip(q_len, max_new))
