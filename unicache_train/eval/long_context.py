@@ -53,7 +53,7 @@ from unicache_train.seam import (
     uncompressed_kv_bytes,
 )
 
-__all__ = ["MODES", "LongContextResult", "run_long_context", "segments_for"]
+__all__ = ["MODES", "LongContextResult", "run_long_context", "sample_kv_bytes", "segments_for"]
 
 MODES = ("agnostic", "questions", "aware")
 
@@ -161,7 +161,7 @@ def _select(seg: StoredSegment, rows: torch.Tensor) -> StoredSegment:
     )
 
 
-def _sample_bytes(segs: Mapping[int, StoredSegment], cache_dtype_bytes: int = 2):
+def sample_kv_bytes(segs: Mapping[int, StoredSegment], cache_dtype_bytes: int = 2):
     """Per sample: stored bytes (payload + scales + the metadata compression made necessary:
     merge counts, head maps) and the uncompressed 16-bit bytes, summed over layers."""
     kv = base = None
@@ -331,7 +331,7 @@ def run_long_context(
         for name, comp in comps.items():
             t1 = time.perf_counter()
             segs = segments_for(capture.inputs, comp)
-            kv, base = _sample_bytes(segs)
+            kv, base = sample_kv_bytes(segs)
             for k in sorted({j[1] for j in jobs}):
                 group = [j for j in jobs if j[1] == k]
                 rows = torch.tensor([j[0] for j in group], device=device)

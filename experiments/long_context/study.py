@@ -1,0 +1,298 @@
+"""The long-context study (issue 36), frozen-backbone part: every setting of study.yaml on the
+same held-out prompts, one uncompressed prefill per context (unicache_train.eval.long_context).
+
+    python experiments/long_context/study.py fit-scorer   # scorer.safetensors + scorer_fit.csv
+    python experiments/long_context/study.py calibrate    # calibration.json: rate per setting
+    python experiments/long_context/study.py run          # raw/<setting>.jsonl (per prompt)
+    python experiments/long_context/study.py table        # results.csv, tests.csv, results.md
+
+Every figure of the table recomputes from raw/*.jsonl (``table`` reads nothing else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+
+
+def load_study(path: Path) -> dict:
+    from unicache_train.validation import load_yaml
+
+    return load_yaml(path.read_text())
+
+
+def model_and_tokenizer(study: dict):
+    from unicache_train.checkpoint.gguf import KNOWN, fetch
+    from unicache_train.checkpoint.hf import import_hf
+    from unicache_train.data.tokenizer import load_tokenizer
+
+    name = study["checkpoint"]
+    ckpt = fetch(name) if name in KNOWN else Path(name)
+    model, _ = import_hf(ckpt)
+    return model.eval(), load_tokenizer(str(ckpt))
+
+
+def records(study: dict, tok, split: str, n: int, seed: int) -> list[dict]:
+    from unicache_train.data.long_context import LongContextTask, long_context_records
+
+    out = []
+    for family in study["families"]:
+        task = LongContextTask(family=family, tokens=int(study["length"]))
+        out += long_context_records(task, n, seed, tok, split=split)
+    return out
+
+
+def compressor(method: str, rate: float, scorer=None):
+    from unicache_train.compress import UniCacheCompressor, presets
+    from unicache_train.eval.budget import unicache_at_rate
+
+    if method == "int4":
+        return UniCacheCompressor(unicache_at_rate(presets.sinks_recent(), 0.0, "int4"))
+    if method == "none":
+        from unicache_train.seam import IdentityCompressor
+
+        return IdentityCompressor()
+    base = presets.text_style_baseline() if method == "unicache" else getattr(presets, method)()
+    cfg = unicache_at_rate(base, rate, "int4")
+    if method == "attention":
+        return UniCacheCompressor(cfg, attention_scorer=scorer)
+    return UniCacheCompressor(cfg)
+
+
+def read_scorer(model):
+    from unicache_train.compress.attention_scorer import read_attention_scorer
+
+    c = model.config
+    return read_attention_scorer(
+        HERE / "scorer.safetensors", (c.num_hidden_layers, c.num_key_value_heads, c.head_size)
+    )
+
+
+# ------------------------------------------------------------------------------ commands
+def fit_scorer(study: dict) -> None:
+    from unicache_train.compress.attention_scorer import save_attention_scorer
+    from unicache_train.train.scorer_fit import fit_attention_scorer
+
+    model, tok = model_and_tokenizer(study)
+    cfg = study["scorer_fit"]
+    recs = records(study, tok, "train", int(cfg["n"]), int(cfg["seed"]))
+    fit = fit_attention_scorer(
+        model,
+        tok,
+        recs,
+        heldout_every=int(cfg["heldout_every"]),
+        ridge=float(cfg["ridge"]),
+        repeat=bool(cfg["repeat"]),
+        log=lambda m: print(m, flush=True),
+    )
+    save_attention_scorer(fit.scorer, HERE / "scorer.safetensors")
+    with (HERE / "scorer_fit.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["layer", "kv_head", "heldout_r2", "heldout_spearman"])
+        for layer in range(fit.r2.shape[0]):
+            for h in range(fit.r2.shape[1]):
+                w.writerow(
+                    [
+                        layer,
+                        h,
+                        round(float(fit.r2[layer, h]), 4),
+                        round(float(fit.spearman[layer, h]), 4),
+                    ]
+                )
+    print(json.dumps(fit.summary()))
+    (HERE / "scorer_fit.json").write_text(json.dumps(fit.summary(), indent=2) + "\n")
+
+
+def calibrate(study: dict) -> None:
+    """Per (method, reduction) the smallest rate whose measured reduction on the calibration
+    contexts reaches the target (bisection on compress-only passes over one recording)."""
+    from unicache_train.eval.long_context import sample_kv_bytes, segments_for
+    from unicache_train.seam import RecordingCompressor
+
+    model, tok = model_and_tokenizer(study)
+    cal = study["calibration"]
+    recs = records(study, tok, "train", int(cal["n"]), int(cal["seed"]))
+    ctx = [tok.encode(r["context"], add_bos=True) for r in recs]
+    P = max(map(len, ctx))
+    ids = torch.full((len(ctx), P), tok.pad_token_id)
+    for b, c in enumerate(ctx):
+        ids[b, : len(c)] = torch.tensor(c)
+    split = torch.tensor([len(c) for c in ctx])
+    capture = RecordingCompressor()
+    with torch.no_grad():
+        model(ids, split=split, compressor=capture, logits_at=(split - 1)[:, None])
+    scorer = read_scorer(model) if "attention" in study["methods"] else None
+
+    def reduction(method: str, rate: float) -> float:
+        with torch.no_grad():
+            kv, base = sample_kv_bytes(
+                segments_for(capture.inputs, compressor(method, rate, scorer))
+            )
+        return sum(base) / sum(kv)
+
+    out = {"int4": {"rate": 0.0, "reduction": reduction("int4", 0.0)}}
+    for method in study["methods"]:
+        for red in study["reductions"]:
+            lo, hi = 0.0, 0.99
+            if reduction(method, hi) < red:
+                out[f"{method}@{red}"] = {"rate": hi, "reduction": reduction(method, hi)}
+                continue
+            for _ in range(int(cal["iters"])):
+                mid = 0.5 * (lo + hi)
+                if reduction(method, mid) >= red:
+                    hi = mid
+                else:
+                    lo = mid
+            out[f"{method}@{red}"] = {"rate": hi, "reduction": reduction(method, hi)}
+            print(
+                f"{method}@{red}: rate {hi:.4f}, measured {out[f'{method}@{red}']['reduction']:.3f}x"
+            )
+    (HERE / "calibration.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
+def run(study: dict, only: list[str] | None) -> None:
+    from unicache_train.eval.long_context import run_long_context
+    from unicache_train.eval.recall import write_predictions
+
+    torch.set_num_threads(int(study.get("threads", 2)))
+    model, tok = model_and_tokenizer(study)
+    cal = json.loads((HERE / "calibration.json").read_text())
+    scorer = read_scorer(model) if "attention" in study["methods"] else None
+    settings = {"none": compressor("none", 0.0), "int4": compressor("int4", 0.0)}
+    for method in study["methods"]:
+        for red in study["reductions"]:
+            key = f"{method}@{red}"
+            settings[key] = compressor(method, cal[key]["rate"], scorer)
+    if only:
+        settings = {k: v for k, v in settings.items() if k in only}
+    ev = study["eval"]
+    recs = records(study, tok, "eval", int(ev["n"]), int(ev["seed"]))
+    t0 = time.time()
+    res, timing = run_long_context(
+        model,
+        tok,
+        recs,
+        settings,
+        batch_size=int(study["batch_size"]),
+        on_batch=lambda d, n: print(f"[{time.time() - t0:.0f}s] batch {d}/{n}", flush=True),
+    )
+    raw = HERE / "raw"
+    for name, r in res.items():
+        write_predictions(r.rows, raw / f"base_{name}.jsonl", model="base", setting=name)
+        print(f"{name}: {r.hits}/{r.n} = {r.accuracy:.3f}, {r.kv_reduction:.2f}x", flush=True)
+    print(json.dumps({**timing, "settings": len(settings), "prompts": len(recs)}))
+
+
+def table(study: dict) -> None:
+    from unicache_train.eval.stats import mcnemar_exact, wilson_interval
+
+    raw = HERE / "raw"
+    cells = {}
+    for path in sorted(raw.glob("base_*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        cells[rows[0]["setting"]] = rows
+    none = {r["id"]: r for r in cells["none"]}
+    fams = study["families"]
+    out = []
+    for name, rows in cells.items():
+        kv = sum(r["kv_bytes"] for r in rows)
+        base = sum(r["baseline_bytes"] for r in rows)
+        hits = sum(r["correct"] for r in rows)
+        lo, hi = wilson_interval(hits, len(rows))
+        fam_acc = {
+            f: sum(r["correct"] for r in rows if r["family"] == f)
+            / max(1, sum(1 for r in rows if r["family"] == f))
+            for f in fams
+        }
+        base_acc = {
+            f: sum(r["correct"] for r in none.values() if r["family"] == f)
+            / max(1, sum(1 for r in none.values() if r["family"] == f))
+            for f in fams
+        }
+        rel = [fam_acc[f] / base_acc[f] for f in fams if base_acc[f] > 0]
+        out.append(
+            {
+                "setting": name,
+                "kv_reduction": round(base / kv, 3),
+                "n": len(rows),
+                "hits": hits,
+                "accuracy": round(hits / len(rows), 4),
+                "wilson_lo": round(lo, 4),
+                "wilson_hi": round(hi, 4),
+                **{f"acc_{f}": round(fam_acc[f], 4) for f in fams},
+                "relative_to_uncompressed": round(sum(rel) / len(rel), 4) if rel else "",
+            }
+        )
+    order = {"none": 0, "int4": 1}
+    out.sort(key=lambda r: (order.get(r["setting"], 2), float(r["kv_reduction"])))
+    with (HERE / "results.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(out[0]))
+        w.writeheader()
+        w.writerows(out)
+    # The scorer against each training-free anchor at the same reduction (same prompts).
+    tests = []
+    anchors = [m for m in study["methods"] if m != "attention"]
+    for red in study["reductions"]:
+        a = cells.get(f"attention@{red}")
+        if a is None:
+            continue
+        for m in anchors:
+            b = cells.get(f"{m}@{red}")
+            if b is None:
+                continue
+            bid = {r["id"]: r["correct"] for r in b}
+            ca = [r["correct"] for r in a]
+            cb = [bid[r["id"]] for r in a]
+            t = mcnemar_exact(ca, cb)
+            tests.append(
+                {
+                    "reduction": red,
+                    "scorer": f"attention@{red}",
+                    "anchor": f"{m}@{red}",
+                    "n": t.n,
+                    "scorer_hits": t.hits_a,
+                    "anchor_hits": t.hits_b,
+                    "only_scorer": t.only_a,
+                    "only_anchor": t.only_b,
+                    "p_mcnemar": t.p,
+                }
+            )
+    if tests:
+        with (HERE / "tests.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(tests[0]))
+            w.writeheader()
+            w.writerows(tests)
+    for r in out:
+        print(r)
+    for t in tests:
+        print(t)
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=["fit-scorer", "calibrate", "run", "table"])
+    ap.add_argument("--config", type=Path, default=HERE / "study.yaml")
+    ap.add_argument("--only", nargs="*", help="run: these settings only")
+    args = ap.parse_args(argv)
+    study = load_study(args.config)
+    torch.set_num_threads(int(study.get("threads", 2)))
+    if args.command == "fit-scorer":
+        fit_scorer(study)
+    elif args.command == "calibrate":
+        calibrate(study)
+    elif args.command == "run":
+        run(study, args.only)
+    else:
+        table(study)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
