@@ -234,3 +234,83 @@ def test_export_serves_the_scorer_and_stock_generate_equals_our_decoding(tmp_pat
     ours = generate_compressed(model, ids, 48, own, 8).tokens[0]
     assert stock.tolist() == ours.tolist()
     assert cache.kv_bytes() < cache.baseline_bytes(16) / 6  # int4 + 60% evicted
+
+
+def test_a_compression_aware_fine_tune_runs_the_fitted_scorer_in_the_loop(tmp_path: Path) -> None:
+    """The claim's training arm on a tiny model: fit the scorer on the frozen backbone, write
+    the long-context training mix, fine-tune with the scorer + int4 in the loop, the keep ratio
+    ramped from 1 and KL to the uncompressed forward; the scorer stays fixed, the model moves."""
+    from unicache_train.data.long_context import write_long_context_mix
+    from unicache_train.train.config import RunConfig
+    from unicache_train.train.run import fit
+
+    model = tiny_lm()
+    recs = long_context_records(LongContextTask(tokens=200), 8, 0, TOK, "train")
+    fit_ = fit_attention_scorer(model, TOK, recs[:4], heldout_every=4)
+    scorer_file = save_attention_scorer(fit_.scorer, tmp_path / "scorer.safetensors")
+    mix = write_long_context_mix(tmp_path / "mix.jsonl", recs)
+    with pytest.raises(Exception, match="allowed 'train'"):
+        write_long_context_mix(tmp_path / "bad.jsonl", [{**recs[0], "split": "eval"}])
+    from safetensors.torch import save_file
+
+    init = tmp_path / "init.safetensors"
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)  # shared storage: safetensors refuses aliases
+    save_file(sd, str(init))
+    c = model.config
+    cfg = RunConfig.from_dict(
+        {
+            "model": {
+                k: getattr(c, k)
+                for k in (
+                    "vocab_size",
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                )
+            },
+            "data": {
+                "source": str(mix),
+                "tokenizer": "byte",
+                "seq_len": 320,
+                "batch_size": 2,
+                "pack": False,
+                "split_at": "question",
+                "prompt_loss": False,
+                "val_fraction": 0.0,
+            },
+            "train": {
+                "max_steps": 3,
+                "warmup_steps": 1,
+                "accelerator": "cpu",
+                "devices": 1,
+                "out_dir": str(tmp_path / "run"),
+                "progress_bar": False,
+                "init_weights": str(init),
+                "limit_val_batches": 0,
+                "val_every_n_steps": 3,
+                "checkpoint_every_n_steps": 3,
+                "log_every_n_steps": 1,
+            },
+            "logging": {"logger": "none"},
+            "compress": {
+                "enabled": True,
+                "preset": "attention",
+                "kl_weight": 1.0,
+                "curriculum_steps": 2,
+                "attention_scorer": str(scorer_file),
+                "unicache": {"target_rate": 0.6, "quantize": {"bits": 4}},
+            },
+        }
+    )
+    trainer = fit(cfg)
+    assert trainer.global_step == 3
+    trained = trainer.lightning_module.model
+    comp = trainer.lightning_module.compressor
+    assert torch.equal(comp.attention_scorer.weight, fit_.scorer.weight)  # fixed in training
+    before, after = model.state_dict(), trained.state_dict()
+    assert set(before) == set(after)
+    assert any(not torch.equal(before[k], after[k].to(before[k].dtype)) for k in before)

@@ -82,6 +82,16 @@ def build_compressor(
     assert isinstance(cfg, UniCacheConfig)  # resolved by CompressionTrainConfig.__post_init__
     steps = config.curriculum_steps
     if cfg.selection.method == "attention":
+        if attention_scorer is None and config.attention_scorer:
+            from unicache_train.compress.attention_scorer import read_attention_scorer
+
+            shape = None
+            if model is not None:
+                c = model.config
+                shape = (c.num_hidden_layers, c.num_key_value_heads, c.head_size)
+            attention_scorer = read_attention_scorer(config.attention_scorer, shape)
+            if model is not None:
+                attention_scorer.to(next(model.parameters()).device)
         if config.method != "unicache" or attention_scorer is None:
             raise ValueError(
                 "unicache.selection.method='attention' needs compress.method='unicache' (got "

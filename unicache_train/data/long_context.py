@@ -50,6 +50,7 @@ import string
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from unicache_train.data.recall_task import _ADJECTIVES, _NOUNS
 from unicache_train.validation import ConfigBase, ConfigError, check_choice, check_int
@@ -62,6 +63,7 @@ __all__ = [
     "long_context_records",
     "overlap_report",
     "score_prediction",
+    "write_long_context_mix",
 ]
 
 FAMILIES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe")
@@ -476,3 +478,34 @@ def overlap_report(window: int = 200, limit_chars: int = 2_000_000) -> dict[str,
         "eval_chars": used,
         "train_chars": sum(len(d) for d in train),
     }
+
+
+def write_long_context_mix(path: str | Path, records: Sequence[dict]) -> Path:
+    """Write training records as the JSONL :class:`~unicache_train.data.datamodule.LMDataModule`
+    reads (``split_at: question``): ``text = context + question + " " + answers + "\\n"``,
+    ``question_char`` at the question (the in-loop split: the question and answer are decoded
+    on the compressed context, as at inference), ``split_char`` at the answer (the loss and the
+    KL term cover the answer with ``prompt_loss: false``). Written atomically.
+
+    Raises:
+        ConfigError: a record from the evaluation split.
+    """
+    import json
+
+    rows = []
+    for r in records:
+        if r.get("split") != "train":
+            raise ConfigError(
+                f"write_long_context_mix: record {r.get('id')!r} is from split "
+                f"{r.get('split')!r}; allowed 'train' (evaluation prompts never train)"
+            )
+        q = len(r["context"])
+        a = q + len(r["question"]) + 1
+        text = r["context"] + r["question"] + " " + ", ".join(r["answers"]) + "\n"
+        rows.append({"text": text, "question_char": q, "split_char": a, "id": r["id"]})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(path)
+    return path

@@ -204,6 +204,10 @@ class CompressionTrainConfig(ConfigBase):
             ``unicache.rate_scale`` over this many optimizer steps (0: full rate from the start).
         val_compressed: also report validation perplexity through the compressed cache
             (``val/ppl_compressed``, ``compress/ppl_delta``).
+        attention_scorer: the fitted attention scorer's file (``unicache.selection.method ==
+            "attention"``: :mod:`unicache_train.compress.attention_scorer`, fitted on a frozen
+            backbone by :mod:`unicache_train.train.scorer_fit`); read when the compressor is
+            built, kept fixed in training.
     """
 
     enabled: bool = False
@@ -219,6 +223,7 @@ class CompressionTrainConfig(ConfigBase):
     kl_temperature: float = 1.0
     curriculum_steps: int = 0
     val_compressed: bool = True
+    attention_scorer: str | None = None
 
     @classmethod
     def complete_mapping(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -253,6 +258,14 @@ class CompressionTrainConfig(ConfigBase):
                     f"{cls.__name__} (a mapping of overrides goes through "
                     "CompressionTrainConfig.from_dict)"
                 )
+        # (The 'attention' selection's need for a scorer is checked where it is built, by
+        # inloop.build_compressor: a serving side passes the scorer object instead of a file.)
+        if self.attention_scorer is not None and self.unicache.selection.method != "attention":
+            raise ConfigError(
+                f"CompressionTrainConfig.attention_scorer={self.attention_scorer!r} is not "
+                "allowed with unicache.selection.method="
+                f"{self.unicache.selection.method!r}; only the 'attention' selection reads it"
+            )
         if self.method == "unicache+xkv" and self.xkv.gradient != "exact":
             raise ConfigError(
                 f"CompressionTrainConfig.xkv.gradient={self.xkv.gradient!r} is not allowed with "

@@ -149,8 +149,10 @@ def attention_targets(
             p = torch.softmax(logits, -1)[:, :, :n_ctx]  # [H, e - s, n_ctx]
             best = torch.maximum(best, p.amax(1))
         w_o = attn.o_proj.weight.float().view(-1, H, D)  # [C, H, D]
+        gram = torch.einsum("chd,che->hde", w_o, w_o)  # [H, D, D] W_O^g^T W_O^g
         vv = v[0].repeat_interleave(rep, 0)[:, :n_ctx]  # [H, n, D]
-        norm = torch.einsum("chd,hnd->hnc", w_o, vv).norm(dim=-1)  # [H, n] ||W_O^g v||
+        sq = torch.einsum("hnd,hde,hne->hn", vv, gram, vv)  # ||W_O^g v||^2
+        norm = sq.clamp_min(0).sqrt()  # [H, n]
         target = (best * norm).view(Hk, rep, n_ctx).amax(1)  # [Hk, n]
         mask = torch.ones(1, n_ctx, dtype=torch.bool, device=q.device)
         phi = scorer_features(k[:, :, :n_ctx], v[:, :, :n_ctx], mask)[0]  # [Hk, n, F]
