@@ -1,8 +1,10 @@
 """Paired statistics of the evaluation (checked against values computed by hand in the comments)
 and the batched recall path (the same predictions as one prompt at a time)."""
 
+import itertools
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from unicache_train.eval.stats import (
     format_p,
     mcnemar_exact,
     paired_bootstrap_ppl,
+    sign_flip_clustered,
     wilson_interval,
 )
 from unicache_train.model import Decoder
@@ -79,6 +82,78 @@ def test_mcnemar_is_symmetric_in_its_arguments_and_refuses_unpaired_lists():
     assert mcnemar_exact(a, b).p_value == mcnemar_exact(b, a).p_value
     with pytest.raises(ValueError, match="got 3 and 2"):
         mcnemar_exact([True, False, True], [True, False])
+
+
+# ------------------------------------------------------------------------------ clustered
+def _brute_force_sign_flip(a, b) -> float:
+    # Written apart from the library: every one of the 2^n sign vectors over all prompts
+    # (zeros included: flipping a zero changes nothing), counting |Σ s_i d_i| >= |Σ d_i|.
+    d = [sum(int(y[i]) - int(x[i]) for x, y in zip(a, b)) for i in range(len(a[0]))]
+    t = abs(sum(d))
+    hits = sum(
+        abs(sum(s * x for s, x in zip(signs, d))) >= t
+        for signs in itertools.product((1, -1), repeat=len(d))
+    )
+    return hits / 2 ** len(d)
+
+
+def _random_seeds(rng: random.Random, seeds: int, prompts: int):
+    # Correlated seeds, as in the studies: a prompt's difficulty is shared by every seed.
+    easy = [rng.random() for _ in range(prompts)]
+    a = [[rng.random() < e for e in easy] for _ in range(seeds)]
+    b = [[rng.random() < e + 0.15 for e in easy] for _ in range(seeds)]
+    return a, b
+
+
+@pytest.mark.parametrize("seeds", [1, 2, 3])
+def test_sign_flip_clustered_equals_brute_force_enumeration(seeds):
+    rng = random.Random(seeds)
+    for _ in range(40):
+        a, b = _random_seeds(rng, seeds, rng.randint(1, 12))
+        t = sign_flip_clustered(a, b)
+        assert t.p_value == pytest.approx(_brute_force_sign_flip(a, b), rel=1e-12, abs=0)
+
+
+def test_sign_flip_clustered_with_one_seed_is_the_exact_mcnemar_test():
+    rng = random.Random(0)
+    for _ in range(200):
+        (a,), (b,) = _random_seeds(rng, 1, rng.randint(1, 300))
+        t, m = sign_flip_clustered([a], [b]), mcnemar_exact(a, b)
+        assert t.p_value == pytest.approx(m.p_value, rel=1e-12)
+        assert (t.only_a, t.only_b, t.favour_a, t.favour_b) == (m.only_a, m.only_b) * 2
+        assert t.difference == pytest.approx(m.difference)
+
+
+def test_a_repeated_seed_adds_no_evidence_where_concatenated_pairs_do():
+    # 3 vs 10 discordant prompts: McNemar p = 0.0923 (hand value above). The same results twice
+    # as a "second seed": the concatenated 6 vs 20 pairs give p = 0.0094, the clustered test
+    # keeps 0.0923 (every d_i doubles, the sign-flip distribution scales with it).
+    a, b = _pairs(3, 10)
+    assert sign_flip_clustered([a, a], [b, b]).p_value == pytest.approx(0.09228515625)
+    assert mcnemar_exact(a + a, b + b).p_value < 0.01
+
+
+def test_sign_flip_clustered_by_hand_with_prompts_that_cancel_within():
+    # Four prompts, two seeds: d = (+2, +1, 0, -1) (the third prompt: A and B each right once,
+    # on different seeds). T = 2; the 8 sign vectors over the magnitudes (2, 1, 1) give the
+    # sums 4, 2, 2, 0, 0, -2, -2, -4, of which 6 have |T*| >= 2: p = 0.75. The concatenated
+    # McNemar test sees 2 vs 4 discordant pairs instead.
+    a = [[False, False, True, True], [False, True, False, True]]
+    b = [[True, True, False, False], [True, True, True, True]]
+    t = sign_flip_clustered(a, b)
+    assert (t.prompts, t.seeds, t.n) == (4, 2, 8)
+    assert (t.only_a, t.only_b, t.favour_a, t.favour_b) == (2, 4, 1, 2)
+    assert t.p_value == pytest.approx(0.75)
+    assert sign_flip_clustered(a, a).p_value == 1.0
+
+
+def test_sign_flip_clustered_refuses_ragged_or_unmatched_seeds():
+    with pytest.raises(ValueError, match="got 2 and 1"):
+        sign_flip_clustered([[True], [False]], [[True]])
+    with pytest.raises(ValueError, match=r"lengths \[2, 1, 2, 2\]"):
+        sign_flip_clustered([[True, False], [True]], [[True, True], [False, False]])
+    with pytest.raises(ValueError, match="seeds"):
+        sign_flip_clustered([], [])
 
 
 # ------------------------------------------------------------------------------ bootstrap

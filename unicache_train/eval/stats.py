@@ -6,12 +6,19 @@
   two-sided McNemar test is the binomial test of the discordant pairs ``(b, c)`` against
   ``p = 1/2``. McNemar, Psychometrika 12 (1947); the exact form: Fagerland et al., BMC Med. Res.
   Methodol. 13:91 (2013).
+- :func:`sign_flip_clustered`: the same comparison pooled over training seeds, clustered by
+  prompt. Seed ``k`` of A against seed ``k`` of B on the same prompts gives ``K`` pairs per
+  prompt, and they are not independent (an easy prompt is easy for every seed), so the unit of
+  the test is the prompt: its summed difference over the seeds, whose sign is flipped at random
+  under the null (a randomization test, Fisher 1935; for clustered data, e.g. Gail et al., Stat.
+  Med. 15 (1996)). Computed exactly; with one seed it is the exact McNemar test.
 - :func:`paired_bootstrap_ppl`: the perplexity change between two runs on the **same** text
   blocks, with a percentile interval from resampling blocks (both runs take the same resampled
   blocks). Efron & Tibshirani, An Introduction to the Bootstrap (1993), ch. 13.
 
-Pooled tests across training seeds concatenate the per-seed pairs (each prompt answered by a
-seed-``k`` model of each arm is one pair).
+Pooled tests across training seeds use :func:`sign_flip_clustered`; an exact McNemar test on
+the concatenated pairs of the seeds (each prompt counted once per seed) treats them as
+independent and overstates the evidence.
 """
 
 from __future__ import annotations
@@ -21,12 +28,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "ClusteredPaired",
     "McNemar",
     "PairedPPL",
     "binomial_stderr",
     "format_p",
     "mcnemar_exact",
     "paired_bootstrap_ppl",
+    "sign_flip_clustered",
     "wilson_interval",
 ]
 
@@ -119,6 +128,110 @@ def mcnemar_exact(a: Sequence[bool], b: Sequence[bool]) -> McNemar:
         tail = sum(math.comb(d, i) for i in range(k + 1)) / 2**d
         p = min(1.0, 2.0 * tail)
     return McNemar(len(a), sum(map(bool, a)), sum(map(bool, b)), only_a, only_b, p)
+
+
+@dataclass(frozen=True)
+class ClusteredPaired:
+    """Two arms on the same prompts over several seeds, tested with the prompt as the unit.
+
+    Attributes:
+        prompts: prompts answered by both arms in every seed.
+        seeds: seeds (seed ``k`` of A is paired with seed ``k`` of B).
+        a_hits, b_hits: correct answers of A and of B over all (prompt, seed) pairs.
+        only_a, only_b: (prompt, seed) pairs with only A right / only B right (McNemar's counts
+            on the concatenated pairs).
+        favour_a, favour_b: prompts whose difference summed over the seeds favours A / B (the
+            prompts that enter the test).
+        p_value: two-sided exact sign-flip p (1.0 when no prompt favours either arm).
+    """
+
+    prompts: int
+    seeds: int
+    a_hits: int
+    b_hits: int
+    only_a: int
+    only_b: int
+    favour_a: int
+    favour_b: int
+    p_value: float
+
+    @property
+    def n(self) -> int:
+        """(prompt, seed) pairs."""
+        return self.prompts * self.seeds
+
+    @property
+    def difference(self) -> float:
+        """Accuracy of B minus accuracy of A over all pairs."""
+        return (self.b_hits - self.a_hits) / self.n
+
+
+def sign_flip_clustered(
+    a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]]
+) -> ClusteredPaired:
+    """Exact two-sided sign-flip test of paired accuracies, clustered by prompt.
+
+    Per prompt ``i``, ``d_i = Σ_k (b_ki - a_ki)`` (an integer in ``[-K, K]``). Under the null
+    that the arms are exchangeable on every prompt (swapping the labels A and B of a prompt, in
+    all its seeds at once, leaves the joint distribution unchanged), each ``d_i`` is as likely
+    as ``-d_i``, so ``T = Σ_i d_i`` is referred to ``T* = Σ_i s_i |d_i|`` over the ``2^m`` sign
+    vectors ``s`` of the ``m`` prompts with ``d_i != 0``: ``p = #{s: |T*| >= |T|} / 2^m``. The
+    count is exact (a convolution over the few distinct ``|d_i|``, integer arithmetic), so no
+    Monte Carlo error. With one seed ``d_i`` is ``±1`` on the discordant prompts and the test
+    is the exact McNemar test (:func:`mcnemar_exact`); a seed that repeats another adds no
+    evidence (``d_i`` doubles, the p stays).
+
+    Args:
+        a, b: ``a[k][i]``: correctness of A's seed ``k`` on prompt ``i`` (``[K][n]``); the same
+            prompts in the same order in every seed and in both arms.
+
+    Raises:
+        ValueError: no seed, no prompt, or lists of different lengths.
+    """
+    if not a or len(a) != len(b):
+        raise ValueError(
+            f"sign_flip_clustered: need the same number (>= 1) of seeds for A and B; got "
+            f"{len(a)} and {len(b)}"
+        )
+    n = len(a[0])
+    lengths = [len(x) for x in (*a, *b)]
+    if n == 0 or any(m != n for m in lengths):
+        raise ValueError(
+            f"sign_flip_clustered: every seed of both arms needs the same non-empty prompts; "
+            f"got lengths {lengths}"
+        )
+    d = [sum(bool(y[i]) - bool(x[i]) for x, y in zip(a, b)) for i in range(n)]  # [n]
+    t_obs = abs(sum(d))
+    # Distribution of Σ s_i |d_i|: for each magnitude v held by c prompts, v (2j - c) with
+    # weight C(c, j); convolve over the magnitudes. {sum: number of sign vectors}.
+    dist = {0: 1}
+    for v in sorted({abs(x) for x in d if x}):
+        c = sum(1 for x in d if abs(x) == v)
+        step = {v * (2 * j - c): math.comb(c, j) for j in range(c + 1)}
+        dist = _convolve(dist, step)
+    total = sum(dist.values())  # 2^m
+    p = sum(w for s, w in dist.items() if abs(s) >= t_obs) / total
+    only_a = sum(1 for x, y in zip(a, b) for i in range(n) if x[i] and not y[i])
+    only_b = sum(1 for x, y in zip(a, b) for i in range(n) if y[i] and not x[i])
+    return ClusteredPaired(
+        prompts=n,
+        seeds=len(a),
+        a_hits=sum(map(bool, (v for x in a for v in x))),
+        b_hits=sum(map(bool, (v for y in b for v in y))),
+        only_a=only_a,
+        only_b=only_b,
+        favour_a=sum(1 for x in d if x < 0),
+        favour_b=sum(1 for x in d if x > 0),
+        p_value=min(1.0, p),
+    )
+
+
+def _convolve(x: dict[int, int], y: dict[int, int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for s, w in x.items():
+        for t, u in y.items():
+            out[s + t] = out.get(s + t, 0) + w * u
+    return out
 
 
 @dataclass(frozen=True)
