@@ -5,6 +5,9 @@ same held-out prompts, one uncompressed prefill per context (unicache_train.eval
     python experiments/long_context/study.py calibrate    # calibration.json: rate per setting
     python experiments/long_context/study.py run          # raw/<setting>.jsonl (per prompt)
     python experiments/long_context/study.py table        # results.csv, tests.csv, results.md
+    python experiments/long_context/study.py finetune --arm compress --seed 0   # the claim's arm
+    python experiments/long_context/study.py finetune --arm control --seed 0    # its control
+    python experiments/long_context/study.py run --model runs/long_context/compress_seed0/export
 
 Every figure of the table recomputes from raw/*.jsonl (``table`` reads nothing else).
 """
@@ -158,11 +161,15 @@ def calibrate(study: dict) -> None:
     (HERE / "calibration.json").write_text(json.dumps(out, indent=2) + "\n")
 
 
-def run(study: dict, only: list[str] | None) -> None:
+def run(study: dict, only: list[str] | None, model_dir=None, label=None) -> None:
     from unicache_train.eval.long_context import run_long_context
     from unicache_train.eval.recall import write_predictions
 
     torch.set_num_threads(int(study.get("threads", 2)))
+    name = "base"
+    if model_dir is not None:
+        study = {**study, "checkpoint": str(model_dir)}
+        name = label or Path(model_dir).parent.name
     model, tok = model_and_tokenizer(study)
     cal = json.loads((HERE / "calibration.json").read_text())
     scorer = read_scorer(model) if "attention" in study["methods"] else None
@@ -185,10 +192,86 @@ def run(study: dict, only: list[str] | None) -> None:
         on_batch=lambda d, n: print(f"[{time.time() - t0:.0f}s] batch {d}/{n}", flush=True),
     )
     raw = HERE / "raw"
+    label_ = name
     for name, r in res.items():
-        write_predictions(r.rows, raw / f"base_{name}.jsonl", model="base", setting=name)
+        write_predictions(r.rows, raw / f"{label_}_{name}.jsonl", model=label_, setting=name)
         print(f"{name}: {r.hits}/{r.n} = {r.accuracy:.3f}, {r.kv_reduction:.2f}x", flush=True)
     print(json.dumps({**timing, "settings": len(settings), "prompts": len(recs)}))
+
+
+def finetune(study: dict, arm: str, seed: int) -> None:
+    """The compression-aware fine-tune (``compress``: the fitted scorer + int4 in the loop at
+    the ``finetune.reduction`` setting's calibrated rate, the keep ratio ramped from 1 over
+    ``curriculum_steps``, KL to the uncompressed forward on the answer) or its control
+    (``control``: the same data, splits, steps and loss, nothing compressed), then an export
+    that serves the scorer beside the weights."""
+    from unicache_train.checkpoint.gguf import KNOWN, fetch
+    from unicache_train.checkpoint.hf import export_hf
+    from unicache_train.checkpoint.policy import policy_of
+    from unicache_train.data.long_context import write_long_context_mix
+    from unicache_train.data.tokenizer import load_tokenizer
+    from unicache_train.train.from_hf import prepare_hf_run
+    from unicache_train.train.run import fit
+    from unicache_train.validation import deep_merge
+
+    if arm not in ("compress", "control"):
+        raise SystemExit(f"--arm {arm!r}: allowed compress, control")
+    ft = study["finetune"]
+    name = study["checkpoint"]
+    ckpt = fetch(name) if name in KNOWN else Path(name)
+    tok = load_tokenizer(str(ckpt))
+    out = Path(ft["out_dir"]) / f"{arm}_seed{seed}"
+    recs = records(
+        {**study, "length": int(ft["length"])}, tok, "train", int(ft["records"]), int(ft["seed"])
+    )
+    mix = write_long_context_mix(out / "train_mix.jsonl", recs)
+    cal = json.loads((HERE / "calibration.json").read_text())
+    rate = cal[f"attention@{ft['reduction']}"]["rate"]
+    compress = {"enabled": True, "method": "none"}
+    if arm == "compress":
+        compress = {
+            "enabled": True,
+            "method": "unicache",
+            "preset": "attention",
+            "attention_scorer": str(HERE / "scorer.safetensors"),
+            "unicache": {"target_rate": rate, "quantize": {"bits": 4}},
+        }
+    run = deep_merge(
+        ft["run"],
+        {
+            "data": {"source": str(mix)},
+            "train": {"out_dir": str(out), "seed": seed},
+            "compress": {**compress, "seed": seed, **ft.get("compress", {})},
+        },
+    )
+    config = prepare_hf_run(ckpt, run)
+    t0 = time.time()
+    trainer = fit(config)
+    model = trainer.lightning_module.model.float().eval()
+    scorer = read_scorer(model) if arm == "compress" else None
+    export_hf(
+        model,
+        out / "export",
+        family="llama",
+        compression_policy=policy_of(config.compress),
+        tokenizer_from=str(ckpt),
+        attention_scorer=scorer,
+    )
+    (out / "run.json").write_text(
+        json.dumps(
+            {
+                "arm": arm,
+                "seed": seed,
+                "rate": rate,
+                "seconds": time.time() - t0,
+                "steps": trainer.global_step,
+                "records": len(recs),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"{arm} seed {seed}: {trainer.global_step} steps in {time.time() - t0:.0f}s -> {out}")
 
 
 def table(study: dict) -> None:
@@ -278,7 +361,11 @@ def table(study: dict) -> None:
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["fit-scorer", "calibrate", "run", "table"])
+    ap.add_argument("command", choices=["fit-scorer", "calibrate", "run", "table", "finetune"])
+    ap.add_argument("--arm", default="compress")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", help="run: evaluate this export instead of the base")
+    ap.add_argument("--label", help="run: the model's label in raw/ (default: its folder)")
     ap.add_argument("--config", type=Path, default=HERE / "study.yaml")
     ap.add_argument("--only", nargs="*", help="run: these settings only")
     args = ap.parse_args(argv)
@@ -289,7 +376,9 @@ def main(argv: list[str]) -> None:
     elif args.command == "calibrate":
         calibrate(study)
     elif args.command == "run":
-        run(study, args.only)
+        run(study, args.only, args.model, args.label)
+    elif args.command == "finetune":
+        finetune(study, args.arm, args.seed)
     else:
         table(study)
 
