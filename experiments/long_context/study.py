@@ -117,6 +117,7 @@ def fit_scorer(study: dict) -> None:
 def calibrate(study: dict) -> None:
     """Per (method, reduction) the smallest rate whose measured reduction on the calibration
     contexts reaches the target (bisection on compress-only passes over one recording)."""
+    from unicache_train.compress.config import MAX_RATE
     from unicache_train.eval.long_context import sample_kv_bytes, segments_for
     from unicache_train.seam import RecordingCompressor
 
@@ -144,7 +145,7 @@ def calibrate(study: dict) -> None:
     out = {"int4": {"rate": 0.0, "reduction": reduction("int4", 0.0)}}
     for method in study["methods"]:
         for red in study["reductions"]:
-            lo, hi = 0.0, 0.99
+            lo, hi = 0.0, MAX_RATE
             if reduction(method, hi) < red:
                 out[f"{method}@{red}"] = {"rate": hi, "reduction": reduction(method, hi)}
                 continue
