@@ -275,35 +275,54 @@ def finetune(study: dict, arm: str, seed: int) -> None:
     print(f"{arm} seed {seed}: {trainer.global_step} steps in {time.time() - t0:.0f}s -> {out}")
 
 
-def table(study: dict) -> None:
-    from unicache_train.eval.stats import mcnemar_exact, wilson_interval
-
-    raw = HERE / "raw"
+def _cells(raw: Path) -> dict[tuple[str, str], list[dict]]:
     cells = {}
-    for path in sorted(raw.glob("base_*.jsonl")):
+    for path in sorted(raw.glob("*.jsonl")):
         rows = [json.loads(line) for line in path.read_text().splitlines()]
-        cells[rows[0]["setting"]] = rows
-    none = {r["id"]: r for r in cells["none"]}
+        if rows and "setting" in rows[0]:
+            cells[(rows[0]["model"], rows[0]["setting"])] = rows
+    return cells
+
+
+def _test(a: list[dict], b: list[dict]) -> dict:
+    from unicache_train.eval.stats import mcnemar_exact
+
+    bid = {r["id"]: r["correct"] for r in b}
+    t = mcnemar_exact([r["correct"] for r in a], [bid[r["id"]] for r in a])
+    return {
+        "n": t.n,
+        "hits_a": t.hits_a,
+        "hits_b": t.hits_b,
+        "only_a": t.only_a,
+        "only_b": t.only_b,
+        "p_mcnemar": t.p,
+    }
+
+
+def table(study: dict) -> None:
+    """results.csv (a row per model and setting), tests.csv (exact McNemar on the same
+    prompts: the scorer against each anchor at the same reduction, per model; the fine-tuned
+    arms against the base and the control with the same setting), from raw/*.jsonl only."""
+    from unicache_train.eval.stats import wilson_interval
+
+    cells = _cells(HERE / "raw")
     fams = study["families"]
     out = []
-    for name, rows in cells.items():
+    for (model, name), rows in cells.items():
+        none = cells.get((model, "none"), [])
         kv = sum(r["kv_bytes"] for r in rows)
         base = sum(r["baseline_bytes"] for r in rows)
         hits = sum(r["correct"] for r in rows)
         lo, hi = wilson_interval(hits, len(rows))
-        fam_acc = {
-            f: sum(r["correct"] for r in rows if r["family"] == f)
-            / max(1, sum(1 for r in rows if r["family"] == f))
-            for f in fams
-        }
-        base_acc = {
-            f: sum(r["correct"] for r in none.values() if r["family"] == f)
-            / max(1, sum(1 for r in none.values() if r["family"] == f))
-            for f in fams
-        }
-        rel = [fam_acc[f] / base_acc[f] for f in fams if base_acc[f] > 0]
+
+        def acc(rs, f):
+            sel = [r["correct"] for r in rs if r["family"] == f]
+            return sum(sel) / len(sel) if sel else float("nan")
+
+        rel = [acc(rows, f) / acc(none, f) for f in fams if none and acc(none, f) > 0]
         out.append(
             {
+                "model": model,
                 "setting": name,
                 "kv_reduction": round(base / kv, 3),
                 "n": len(rows),
@@ -311,44 +330,58 @@ def table(study: dict) -> None:
                 "accuracy": round(hits / len(rows), 4),
                 "wilson_lo": round(lo, 4),
                 "wilson_hi": round(hi, 4),
-                **{f"acc_{f}": round(fam_acc[f], 4) for f in fams},
+                **{f"acc_{f}": round(acc(rows, f), 4) for f in fams},
                 "relative_to_uncompressed": round(sum(rel) / len(rel), 4) if rel else "",
             }
         )
     order = {"none": 0, "int4": 1}
-    out.sort(key=lambda r: (order.get(r["setting"], 2), float(r["kv_reduction"])))
+    out.sort(
+        key=lambda r: (
+            r["model"] != "base",
+            r["model"],
+            order.get(r["setting"], 2),
+            float(r["kv_reduction"]),
+            r["setting"],
+        )
+    )
     with (HERE / "results.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(out[0]))
         w.writeheader()
         w.writerows(out)
-    # The scorer against each training-free anchor at the same reduction (same prompts).
     tests = []
     anchors = [m for m in study["methods"] if m != "attention"]
-    for red in study["reductions"]:
-        a = cells.get(f"attention@{red}")
-        if a is None:
+    models = sorted({m for m, _ in cells})
+    for model in models:
+        for red in study["reductions"]:
+            a = cells.get((model, f"attention@{red}"))
+            for m in anchors:
+                b = cells.get((model, f"{m}@{red}"))
+                if a and b:
+                    tests.append(
+                        {
+                            "comparison": "scorer vs anchor",
+                            "a": f"{model} attention@{red}",
+                            "b": f"{model} {m}@{red}",
+                            **_test(a, b),
+                        }
+                    )
+    for model in models:
+        if model == "base":
             continue
-        for m in anchors:
-            b = cells.get(f"{m}@{red}")
-            if b is None:
+        for (m2, name), rows in cells.items():
+            if m2 != model:
                 continue
-            bid = {r["id"]: r["correct"] for r in b}
-            ca = [r["correct"] for r in a]
-            cb = [bid[r["id"]] for r in a]
-            t = mcnemar_exact(ca, cb)
-            tests.append(
-                {
-                    "reduction": red,
-                    "scorer": f"attention@{red}",
-                    "anchor": f"{m}@{red}",
-                    "n": t.n,
-                    "scorer_hits": t.hits_a,
-                    "anchor_hits": t.hits_b,
-                    "only_scorer": t.only_a,
-                    "only_anchor": t.only_b,
-                    "p_mcnemar": t.p,
-                }
-            )
+            for other in ("base", "control_seed0"):
+                ref = cells.get((other, name))
+                if ref and other != model:
+                    tests.append(
+                        {
+                            "comparison": "fine-tune vs reference",
+                            "a": f"{model} {name}",
+                            "b": f"{other} {name}",
+                            **_test(rows, ref),
+                        }
+                    )
     if tests:
         with (HERE / "tests.csv").open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(tests[0]))
