@@ -291,11 +291,11 @@ def _test(a: list[dict], b: list[dict]) -> dict:
     t = mcnemar_exact([r["correct"] for r in a], [bid[r["id"]] for r in a])
     return {
         "n": t.n,
-        "hits_a": t.hits_a,
-        "hits_b": t.hits_b,
+        "hits_a": t.a_hits,
+        "hits_b": t.b_hits,
         "only_a": t.only_a,
         "only_b": t.only_b,
-        "p_mcnemar": t.p,
+        "p_mcnemar": t.p_value,
     }
 
 
