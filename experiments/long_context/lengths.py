@@ -12,6 +12,7 @@ long_context_records(task, n, seed=1_000_011 + length, split="eval") on the King
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import time
@@ -29,6 +30,15 @@ from unicache_train.eval.stats import binomial_stderr, wilson_interval
 from unicache_train.seam import IdentityCompressor
 
 HERE = Path(__file__).parent
+
+
+@contextlib.contextmanager
+def _atomic(path: Path):
+    """Write ``path`` through a temporary file renamed over it (never half-written)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", newline="") as f:
+        yield f
+    tmp.replace(path)
 
 
 def main() -> None:
@@ -76,7 +86,7 @@ def main() -> None:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-            with args.out.open("w", newline="") as f:
+            with _atomic(args.out) as f:
                 w = csv.DictWriter(f, fieldnames=list(row))
                 w.writeheader()
                 w.writerows(rows)

@@ -15,6 +15,7 @@ Every figure of the table recomputes from raw/*.jsonl (``table`` reads nothing e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import sys
@@ -24,6 +25,15 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
+
+
+@contextlib.contextmanager
+def _atomic(path: Path):
+    """Write ``path`` through a temporary file renamed over it (never half-written)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", newline="") as f:
+        yield f
+    tmp.replace(path)
 
 
 def load_study(path: Path) -> dict:
@@ -97,7 +107,7 @@ def fit_scorer(study: dict) -> None:
         log=lambda m: print(m, flush=True),
     )
     save_attention_scorer(fit.scorer, HERE / "scorer.safetensors")
-    with (HERE / "scorer_fit.csv").open("w", newline="") as f:
+    with _atomic(HERE / "scorer_fit.csv") as f:
         w = csv.writer(f)
         w.writerow(["layer", "kv_head", "heldout_r2", "heldout_spearman"])
         for layer in range(fit.r2.shape[0]):
@@ -344,7 +354,7 @@ def table(study: dict) -> None:
             r["setting"],
         )
     )
-    with (HERE / "results.csv").open("w", newline="") as f:
+    with _atomic(HERE / "results.csv") as f:
         w = csv.DictWriter(f, fieldnames=list(out[0]))
         w.writeheader()
         w.writerows(out)
@@ -383,7 +393,7 @@ def table(study: dict) -> None:
                         }
                     )
     if tests:
-        with (HERE / "tests.csv").open("w", newline="") as f:
+        with _atomic(HERE / "tests.csv") as f:
             w = csv.DictWriter(f, fieldnames=list(tests[0]))
             w.writeheader()
             w.writerows(tests)

@@ -237,33 +237,40 @@ def compressor_from_policy(
     if uses_attention_scorer(policy):
         from unicache_train.compress.attention_scorer import read_attention_scorer
 
-        entry = policy.get("attention_scorer") if isinstance(policy, dict) else None
-        name = entry.get("file") if isinstance(entry, dict) else None
-        if export_dir is None or not isinstance(name, str) or not _FILE_NAME.match(name):
-            raise ConfigError(
-                "an attention-scorer policy needs its weights: pass the export directory "
-                "(compressor_from_policy(read_policy(DIR), DIR)) of a policy naming its file "
-                f"(policy.attention_scorer={entry!r})"
-            )
-        try:
-            scorer = read_attention_scorer(Path(export_dir) / name, shape)
-        except (FileNotFoundError, ValueError) as err:
-            raise ConfigError(str(err)) from None
+        scorer = _read_weights(
+            policy,
+            export_dir,
+            "attention_scorer",
+            "an attention-scorer policy",
+            lambda path: read_attention_scorer(path, shape),
+        )
         return build_compressor(config, attention_scorer=scorer)
     if not uses_retention(policy):
         return build_compressor(config)
     from unicache_train.compress.retention import read_retention
 
-    entry = policy.get("retention") if isinstance(policy, dict) else None
+    retention = _read_weights(
+        policy,
+        export_dir,
+        "retention",
+        "a learned retention policy",
+        lambda path: read_retention(path, shape),
+    )
+    return build_compressor(config, retention=retention)
+
+
+def _read_weights(policy: dict[str, Any], export_dir, key: str, what: str, read) -> Any:
+    """The weights file ``policy[key]["file"]`` names, read from ``export_dir`` by ``read``
+    (a learned selection's: the retention policy or the attention scorer)."""
+    entry = policy.get(key) if isinstance(policy, dict) else None
     name = entry.get("file") if isinstance(entry, dict) else None
     if export_dir is None or not isinstance(name, str) or not _FILE_NAME.match(name):
         raise ConfigError(
-            "a learned retention policy needs its weights: pass the export directory "
+            f"{what} needs its weights: pass the export directory "
             "(compressor_from_policy(read_policy(DIR), DIR)) of a policy naming its file "
-            f"(policy.retention={entry!r})"
+            f"(policy.{key}={entry!r})"
         )
     try:
-        retention = read_retention(Path(export_dir) / name, shape)
+        return read(Path(export_dir) / name)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(str(err)) from None
-    return build_compressor(config, retention=retention)
