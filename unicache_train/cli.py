@@ -581,6 +581,44 @@ def report_user_errors(fn: Callable[[], T]) -> T:
         raise SystemExit(2) from None
 
 
+_RUN_USAGE = (
+    "usage: unicache-train run --rev REV [--cache-dir DIR] [--repo DIR] SCRIPT [ARGS ...]\n\n"
+    "Run SCRIPT (a .py path relative to the checkout, -m MODULE, or a unicache-train command)\n"
+    "from a clean export of commit REV (git archive into DIR/revs/<sha>, default\n"
+    "~/.cache/unicache_train), in the current directory, with the revision recorded in the\n"
+    "run's outputs. Example:\n"
+    "  unicache-train run --rev HEAD experiments/long_context/study.py finetune --arm control"
+)
+
+
+def _run_rev(argv: list[str]) -> int:
+    """``unicache-train run --rev REV [--cache-dir DIR] [--repo DIR] SCRIPT ARGS...``: the
+    options before SCRIPT are ours, everything from SCRIPT on is the script's."""
+    from unicache_train.revision import run_at_revision
+
+    opts: dict[str, str] = {}
+    i = 0
+    while i < len(argv) and argv[i].startswith("--"):
+        name, eq, value = argv[i][2:].partition("=")
+        if name == "help":
+            print(_RUN_USAGE)
+            return 0
+        if name not in ("rev", "cache-dir", "repo"):
+            raise ConfigError(f"run: unknown option --{name}; known: --rev, --cache-dir, --repo")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"run --{name}: give a value")
+            i += 1
+            value = argv[i]
+        opts[name] = value
+        i += 1
+    if "rev" not in opts:
+        raise ConfigError("run: --rev REV is required (a commit, branch or tag)")
+    return run_at_revision(
+        opts["rev"], argv[i:], repo=opts.get("repo", "."), cache_dir=opts.get("cache-dir")
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``unicache-train`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -588,13 +626,15 @@ def main(argv: list[str] | None = None) -> None:
         print(
             "usage: unicache-train COMMAND [--config FILE.yaml] [--OPTION VALUE ...] "
             "[section.field=value ...]\n\ncommands: "
-            + ", ".join(COMMANDS)
+            + ", ".join([*COMMANDS, "run"])
             + "\n\nunicache_train: mHC hyper-connections and compression-aware KV-cache "
             "fine-tuning. `unicache-train COMMAND --help` lists a command's options and "
             "fields."
         )
         raise SystemExit(0 if args else 2)
     command, rest = args[0], args[1:]
+    if command == "run":
+        raise SystemExit(report_user_errors(lambda: _run_rev(rest)))
 
     def run() -> None:
         if command not in COMMANDS:

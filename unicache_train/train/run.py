@@ -13,6 +13,7 @@ import lightning as L
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 
+from unicache_train.revision import write_revision
 from unicache_train.train.config import RunConfig
 from unicache_train.train.module import LMModule
 from unicache_train.train.strategies import destroy_process_group_at_exit, parallelize_model
@@ -279,6 +280,7 @@ def fit(config: RunConfig, callbacks: list[L.Callback] | None = None) -> L.Train
     trainer = build_trainer(config, callbacks)
     if trainer.is_global_zero:
         config.save(out_dir / "config.yaml")
+        write_revision(out_dir / "revision.json")  # the code that ran: unicache_train.revision
     destroy_process_group_at_exit()  # a distributed run's group: see the function
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
