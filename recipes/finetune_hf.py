@@ -8,7 +8,9 @@ Steps: :func:`~unicache_train.checkpoint.hf.import_hf` (config + weights; tokeni
 directory when it has one) -> optional :func:`~unicache_train.model.convert.convert_to_mhc`
 (identity init, same function as the source) -> the imported weights are written to
 ``<out_dir>/init_weights.safetensors`` and loaded by the LightningModule through
-``TrainConfig.init_weights`` -> :func:`unicache_train.train.run.fit` -> optional HF export.
+``TrainConfig.init_weights`` -> :func:`unicache_train.train.run.fit` -> optional HF export: the
+library's fine-tune entry point, :func:`unicache_train.train.finetune.finetune`, with the spec
+this recipe's sections describe (:func:`spec_of`).
 Every rank runs the same deterministic steps (seeded conversion), so a multi-process launch
 needs no coordination beyond an atomic file rename.
 """
@@ -20,11 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from unicache_train.checkpoint.hf import export_hf
-from unicache_train.checkpoint.policy import policy_of
 from unicache_train.recipe import build_section, parse_recipe_args, run_sections
-from unicache_train.train.config import RunConfig
-from unicache_train.train.from_hf import prepare_hf_run
 from unicache_train.validation import ConfigError
 
 DEFAULT_YAML = Path(__file__).with_suffix(".yaml")
@@ -75,45 +73,49 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     return hf, data
 
 
-def build(hf: dict[str, Any], data: dict[str, Any]) -> RunConfig:
-    """Import (and convert) the checkpoint, write the init weights, return the run config."""
-    return prepare_hf_run(
-        hf["checkpoint_dir"],
-        data,
-        mhc=bool(hf["mhc"]),
-        hc_mult=int(hf["hc_mult"]),
-        hc_preset=hf["hc_preset"],
-        seed=int(hf["seed"]),
+def spec_of(hf: dict[str, Any], data: dict[str, Any]):
+    """The library's :class:`~unicache_train.train.finetune.FinetuneSpec` of this recipe's
+    sections: ``data.source`` is the mix (a prepared file), ``train.max_steps`` / ``train.seed``
+    the spec's steps and seed, ``hf.seed`` the retrofit's seed, ``compress`` the spec's."""
+    import copy
+
+    from unicache_train.train.config import TrainConfig
+    from unicache_train.train.finetune import FinetuneSpec
+
+    run = copy.deepcopy(data)
+    train = run.setdefault("train", {})
+    source = (run.setdefault("data", {})).pop("source", None)
+    mix = (
+        {"kind": "synthetic"} if source in (None, "synthetic") else {"kind": "file", "path": source}
+    )
+    defaults = TrainConfig()
+    return FinetuneSpec.from_dict(
+        {
+            "checkpoint": str(hf["checkpoint_dir"]),
+            "out_dir": str(train.pop("out_dir", defaults.out_dir)),
+            "seed": int(train.pop("seed", defaults.seed)),
+            "steps": int(train.pop("max_steps", defaults.max_steps)),
+            "mix": mix,
+            "compress": run.pop("compress", None) or {"enabled": False},
+            "run": run,
+            "mhc": bool(hf["mhc"]),
+            "hc_mult": int(hf["hc_mult"]),
+            "hc_preset": hf["hc_preset"],
+            "hc_seed": int(hf["seed"]),
+            "export": bool(hf["export_dir"]),
+            "export_dir": hf["export_dir"],
+            "export_family": hf["export_family"],
+            "export_dtype": hf["export_dtype"],
+        }
     )
 
 
 def main(argv: list[str] | None = None):
-    from unicache_train.train.run import fit
+    from unicache_train.train.finetune import finetune
 
     args = list(sys.argv[1:] if argv is None else argv)
     hf, data = parse(args)
-    config = build(hf, data)
-    trainer = fit(config)
-    if hf["export_dir"] and trainer.is_global_zero:
-        family = hf["export_family"] or _source_family(Path(hf["checkpoint_dir"]))
-        model = trainer.lightning_module.model.float().eval()
-        # The policy the model was tuned for travels with it (compression_config.json; read by
-        # unicache_train.transformers_cache.CompressedCache and `unicache-train generate`).
-        export_hf(
-            model,
-            hf["export_dir"],
-            family=family,
-            dtype=hf["export_dtype"],
-            compression_policy=policy_of(config.compress),
-            tokenizer_from=config.data.tokenizer,
-        )
-    return trainer
-
-
-def _source_family(path: Path) -> str:
-    import json
-
-    return json.loads((path / "config.json").read_text())["model_type"]
+    return finetune(spec_of(hf, data)).trainer
 
 
 if __name__ == "__main__":

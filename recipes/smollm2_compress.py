@@ -253,24 +253,14 @@ def finetune(
     """Fine-tune with the in-loop compressor (``compress``) or nothing compressed
     (``control``); return the fine-tuned model (fp32, eval mode) and its export directory
     (written as ``family``, the source checkpoint's)."""
-    from unicache_train.checkpoint.hf import export_hf
-    from unicache_train.checkpoint.policy import policy_of
-    from unicache_train.data.recall_mix import write_recall_mix
-    from unicache_train.eval import RecallTask
-    from unicache_train.train.from_hf import prepare_hf_run
-    from unicache_train.train.run import fit
+    from unicache_train.train.config import TrainConfig
+    from unicache_train.train.finetune import FinetuneSpec
+    from unicache_train.train.finetune import finetune as run_finetune
 
-    data_file = write_recall_mix(
-        out / "train_mix.jsonl",
-        [RecallTask(**t) for t in study["train_tasks"]],
-        int(study["train_records_per_task"]),
-        seed=0,
-        text_fraction=float(study["text_fraction"]),
-    )
     run = copy.deepcopy(run)
-    run.setdefault("data", {})["source"] = str(data_file)
-    run.setdefault("train", {})["out_dir"] = str(out / kind)
-    comp = run.setdefault("compress", {})
+    train = run.setdefault("train", {})
+    defaults = TrainConfig()
+    comp = run.pop("compress", None) or {}
     comp["enabled"] = True
     if kind == "compress":
         comp["method"] = "unicache"
@@ -280,18 +270,28 @@ def finetune(
         comp["unicache"] = deep_merge(method_cfg.to_dict(), comp.get("unicache") or {})
     else:
         comp["method"] = "none"
-    config = prepare_hf_run(ckpt_dir, run)
-    trainer = fit(config)
-    model = trainer.lightning_module.model.float().eval()
-    export = out / kind / "export"
-    export_hf(
-        model,
-        export,
-        family=family,
-        compression_policy=policy_of(config.compress),
-        tokenizer_from=config.data.tokenizer,
+    run.get("data", {}).pop("source", None)  # the spec's mix
+    train.pop("out_dir", None)  # the spec's out_dir
+    spec = FinetuneSpec.from_dict(
+        {
+            "checkpoint": str(ckpt_dir),
+            "out_dir": str(out / kind),
+            "seed": int(train.pop("seed", defaults.seed)),
+            "steps": int(train.pop("max_steps", defaults.max_steps)),
+            "mix": {
+                "kind": "recall",
+                "tasks": list(study["train_tasks"]),
+                "records": int(study["train_records_per_task"]),
+                "seed": 0,
+                "text_fraction": float(study["text_fraction"]),
+            },
+            "compress": comp,
+            "run": run,
+            "export_family": family,
+        }
     )
-    return model, export
+    result = run_finetune(spec)
+    return result.trainer.lightning_module.model.float().eval(), result.export_dir
 
 
 def checkpoint_family(ckpt_dir: Path) -> str:

@@ -1,4 +1,4 @@
-"""``unicache-train run --rev``: a run from a clean export of one commit (unicache_train.revision)."""
+"""``unicache-train run --rev``: a run from a clean export of one commit (``revision.py``)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,16 @@ from unicache_train.validation import ConfigError
 
 
 def _git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
-    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env=env, check=True)
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    done = subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, env=env, check=True
+    )
     return done.stdout.strip()
 
 
@@ -41,8 +48,8 @@ def repo(tmp_path: Path) -> Path:
     )
     (root / "pkg_probe" / "__main__.py").write_text(
         "import json, sys, pkg_probe\n"
-        "open('module.json', 'w').write(json.dumps({'version': pkg_probe.VERSION, 'argv': sys.argv[1:],\n"
-        "                                          'file': pkg_probe.__file__}))\n"
+        "out = {'version': pkg_probe.VERSION, 'argv': sys.argv[1:], 'file': pkg_probe.__file__}\n"
+        "open('module.json', 'w').write(json.dumps(out))\n"
     )
     _git(root, "init", "-q")
     _git(root, "add", "-A")
@@ -84,7 +91,9 @@ def test_bad_revisions_name_the_value(repo: Path, tmp_path: Path) -> None:
         revision.export_revision("HEAD", tmp_path / "cache2", tmp_path / "cache")
     with pytest.raises(ConfigError, match="give a commit"):
         revision.export_revision("--all", repo, tmp_path / "cache")
-    assert not (tmp_path / "cache" / "revs").exists() or not any((tmp_path / "cache" / "revs").iterdir())
+    assert not (tmp_path / "cache" / "revs").exists() or not any(
+        (tmp_path / "cache" / "revs").iterdir()
+    )
 
 
 def test_run_at_revision_runs_the_commit_in_the_callers_directory(
@@ -102,21 +111,26 @@ def test_run_at_revision_runs_the_commit_in_the_callers_directory(
     got = json.loads((repo / "report.json").read_text())
     assert got["version"] == "v1" and got["env"] == sha1 and got["argv"] == ["--x", "1"]
     assert Path(got["cwd"]).resolve() == repo.resolve()
-    assert Path(got["file"]).resolve().is_relative_to((tmp_path / "cache" / "revs" / sha1).resolve())
+    assert (
+        Path(got["file"]).resolve().is_relative_to((tmp_path / "cache" / "revs" / sha1).resolve())
+    )
     # -m MODULE: `python -m` would put the checkout first on sys.path; the export still wins
     assert revision.run_at_revision("HEAD", ["-m", "pkg_probe", "a"], repo, tmp_path / "cache") == 0
     got = json.loads((repo / "module.json").read_text())
     assert got["version"] == "v2" and got["argv"] == ["a"]
     # a module only the working tree has is not served from it (nor from the checkout's path)
     (repo / "pkg_probe" / "extra.py").write_text("print('from the working tree')\n")
-    assert revision.run_at_revision("HEAD", ["-m", "pkg_probe.extra"], repo, tmp_path / "cache") == 1
+    assert (
+        revision.run_at_revision("HEAD", ["-m", "pkg_probe.extra"], repo, tmp_path / "cache") == 1
+    )
     # the child's exit code comes back
     monkeypatch.setenv("PROBE_RC", "3")
     assert revision.run_at_revision("HEAD", ["scripts/report.py"], repo, tmp_path / "cache") == 3
 
 
-def test_a_script_missing_from_the_revision_is_refused(repo: Path, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_script_missing_from_the_revision_is_refused(
+    repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (repo / "scripts" / "new.py").write_text("print('not committed')\n")
     monkeypatch.chdir(repo)
     with pytest.raises(ConfigError, match=r"SCRIPT='scripts/new.py': no such file in revision"):
@@ -139,8 +153,18 @@ def test_cli_run_rev_errors_are_one_line(repo: Path, tmp_path: Path, capsys, mon
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1
     with pytest.raises(SystemExit) as stop:
-        main(["run", "--rev", "HEAD", f"--cache-dir={tmp_path / 'c'}", "--repo", str(repo),
-              "scripts/report.py", "--y"])
+        main(
+            [
+                "run",
+                "--rev",
+                "HEAD",
+                f"--cache-dir={tmp_path / 'c'}",
+                "--repo",
+                str(repo),
+                "scripts/report.py",
+                "--y",
+            ]
+        )
     assert stop.value.code == 0
     assert json.loads((repo / "report.json").read_text())["argv"] == ["--y"]
 

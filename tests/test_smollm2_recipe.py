@@ -230,7 +230,7 @@ def test_compress_unicache_overrides_apply_on_top_of_the_calibrated_setting(
     """The in-loop compressor of a ``compress`` fine-tune is the calibrated setting (its rate,
     selection, storage) with the user's ``compress.unicache.*`` overrides merged on top, e.g.
     ``compress.unicache.selection.lr_scale=300``; nothing the user did not name changes."""
-    from unicache_train.train import from_hf
+    from unicache_train.train import from_hf  # the fine-tune entry point calls it there
 
     model, ids, split = _tiny_model_and_batch()
     with torch.no_grad():
@@ -244,7 +244,7 @@ def test_compress_unicache_overrides_apply_on_top_of_the_calibrated_setting(
     class Stop(Exception):
         pass
 
-    def capture(ckpt_dir, run):
+    def capture(ckpt_dir, run, **retrofit):
         seen.update(run)
         raise Stop
 

@@ -94,7 +94,11 @@ def resolve_revision(rev: str, repo: str | os.PathLike[str] = ".") -> str:
     done = _git(Path(repo), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", check=False)
     if done.returncode != 0:
         inside = _git(Path(repo), "rev-parse", "--git-dir", check=False).returncode == 0
-        where = f"the repository at {str(repo)!r}" if inside else f"{str(repo)!r} (not a git repository)"
+        where = (
+            f"the repository at {str(repo)!r}"
+            if inside
+            else f"{str(repo)!r} (not a git repository)"
+        )
         raise ConfigError(f"run --rev={rev!r}: no such commit in {where}")
     return done.stdout.decode().strip()
 
@@ -167,7 +171,9 @@ def _child(kind: str, target: str, args: list[str]) -> list[str]:
 
 def _command_of(export: Path, argv: list[str]) -> list[str]:
     if not argv:
-        raise ConfigError("run --rev REV: give the script to run (a .py path, -m MODULE or a command)")
+        raise ConfigError(
+            "run --rev REV: give the script to run (a .py path, -m MODULE or a command)"
+        )
     head, rest = argv[0], argv[1:]
     if head == "-m":
         if not rest:

@@ -210,32 +210,18 @@ def run(study: dict, only: list[str] | None, model_dir=None, label=None) -> None
     print(json.dumps({**timing, "settings": len(settings), "prompts": len(recs)}))
 
 
-def finetune(study: dict, arm: str, seed: int) -> None:
-    """The compression-aware fine-tune (``compress``: the fitted scorer + int4 in the loop at
-    the ``finetune.reduction`` setting's calibrated rate, the keep ratio ramped from 1 over
-    ``curriculum_steps``, KL to the uncompressed forward on the answer) or its control
-    (``control``: the same data, splits, steps and loss, nothing compressed), then an export
-    that serves the scorer beside the weights."""
-    from unicache_train.checkpoint.gguf import KNOWN, fetch
-    from unicache_train.checkpoint.hf import export_hf
-    from unicache_train.checkpoint.policy import policy_of
-    from unicache_train.data.long_context import write_long_context_mix
-    from unicache_train.data.tokenizer import load_tokenizer
-    from unicache_train.train.from_hf import prepare_hf_run
-    from unicache_train.train.run import fit
-    from unicache_train.validation import deep_merge
+def finetune_spec(study: dict, arm: str, seed: int):
+    """The :class:`~unicache_train.train.finetune.FinetuneSpec` of one arm and seed, from the
+    frozen ``finetune`` section: the compression-aware fine-tune (``compress``: the fitted scorer
+    + int4 in the loop at the ``finetune.reduction`` setting's calibrated rate, the keep ratio
+    ramped from 1 over ``curriculum_steps``, KL to the uncompressed forward on the answer) or its
+    control (``control``: the same data, splits, steps and loss, nothing compressed)."""
+    from unicache_train.train.finetune import FinetuneSpec
+    from unicache_train.validation import ConfigError
 
     if arm not in ("compress", "control"):
-        raise SystemExit(f"--arm {arm!r}: allowed compress, control")
+        raise ConfigError(f"finetune --arm={arm!r} is not allowed; choose one of compress, control")
     ft = study["finetune"]
-    name = study["checkpoint"]
-    ckpt = fetch(name) if name in KNOWN else Path(name)
-    tok = load_tokenizer(str(ckpt))
-    out = Path(ft["out_dir"]) / f"{arm}_seed{seed}"
-    recs = records(
-        {**study, "length": int(ft["length"])}, tok, "train", int(ft["records"]), int(ft["seed"])
-    )
-    mix = write_long_context_mix(out / "train_mix.jsonl", recs)
     cal = json.loads((HERE / "calibration.json").read_text())
     rate = cal[f"attention@{ft['reduction']}"]["rate"]
     compress = {"enabled": True, "method": "none"}
@@ -247,42 +233,32 @@ def finetune(study: dict, arm: str, seed: int) -> None:
             "attention_scorer": str(HERE / "scorer.safetensors"),
             "unicache": {"target_rate": rate, "quantize": {"bits": 4}},
         }
-    run = deep_merge(
-        ft["run"],
+    return FinetuneSpec.from_dict(
         {
-            "data": {"source": str(mix)},
-            "train": {"out_dir": str(out), "seed": seed},
-            "compress": {**compress, "seed": seed, **ft.get("compress", {})},
-        },
-    )
-    config = prepare_hf_run(ckpt, run)
-    t0 = time.time()
-    trainer = fit(config)
-    model = trainer.lightning_module.model.float().eval()
-    scorer = read_scorer(model) if arm == "compress" else None
-    export_hf(
-        model,
-        out / "export",
-        family="llama",
-        compression_policy=policy_of(config.compress),
-        tokenizer_from=str(ckpt),
-        attention_scorer=scorer,
-    )
-    (out / "run.json").write_text(
-        json.dumps(
-            {
-                "arm": arm,
-                "seed": seed,
-                "rate": rate,
-                "seconds": time.time() - t0,
-                "steps": trainer.global_step,
-                "records": len(recs),
+            "checkpoint": study["checkpoint"],
+            "out_dir": str(Path(ft["out_dir"]) / f"{arm}_seed{seed}"),
+            "seed": seed,
+            "steps": int(ft["steps"]),
+            "mix": {
+                "kind": "long_context",
+                "tasks": list(study["families"]),
+                "length": int(ft["length"]),
+                "records": int(ft["records"]),
+                "seed": int(ft["seed"]),
             },
-            indent=2,
-        )
-        + "\n"
+            "compress": {**compress, "seed": seed, **ft.get("compress", {})},
+            "run": ft["run"],
+        }
     )
-    print(f"{arm} seed {seed}: {trainer.global_step} steps in {time.time() - t0:.0f}s -> {out}")
+
+
+def finetune(study: dict, arm: str, seed: int) -> None:
+    """Run :func:`finetune_spec`'s spec through the library's fine-tune; the export (with the
+    scorer beside the weights for the compress arm) lands in ``<out_dir>/export``."""
+    from unicache_train.train.finetune import finetune as run_finetune
+
+    result = run_finetune(finetune_spec(study, arm, seed))
+    print(f"{arm} seed {seed}: {result.steps} steps in {result.seconds:.0f}s -> {result.out_dir}")
 
 
 def _cells(raw: Path) -> dict[tuple[str, str], list[dict]]:

@@ -1,0 +1,206 @@
+"""The library's one fine-tune entry point (unicache_train.train.finetune): the spec is the whole
+config, each value in one place, and a run writes its spec, its paths and its code revision."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from unicache_train.train.finetune import FinetuneSpec, MixConfig, finetune, run_mapping
+from unicache_train.validation import ConfigError, deep_merge
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _spec(**kw):
+    base = {
+        "checkpoint": "DIR",
+        "out_dir": "runs/x",
+        "seed": 3,
+        "steps": 5,
+        "mix": {"kind": "file", "path": "mix.jsonl"},
+        "compress": {"enabled": True, "method": "none"},
+        "run": {"train": {"lr": 1e-4}},
+    }
+    return deep_merge(base, kw)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"checkpoint": ""}, "FinetuneSpec.checkpoint is not set"),
+        ({"out_dir": ""}, "FinetuneSpec.out_dir is not set"),
+        ({"steps": 0}, "FinetuneSpec.steps=0 is out of range"),
+        ({"seed": -1}, "FinetuneSpec.seed=-1 is out of range"),
+        ({"export_dtype": "fp8"}, "FinetuneSpec.export_dtype='fp8' is not allowed"),
+        ({"mix": {"kind": "web"}}, "MixConfig.kind='web' is not allowed"),
+        ({"mix": {"kind": "file", "path": None}}, "set mix.path"),
+        ({"mix": {"kind": "recall", "tasks": [{"pairs": 2}], "records": 4}}, "set mix.seed"),
+        (
+            {
+                "mix": {
+                    "kind": "long_context",
+                    "tasks": ["niah_single"],
+                    "records": 0,
+                    "seed": 1,
+                    "length": 128,
+                }
+            },
+            "MixConfig.records=0 is out of range",
+        ),
+        (
+            {"mix": {"kind": "long_context", "tasks": [], "records": 2, "seed": 1, "length": 128}},
+            "mix.tasks is empty",
+        ),
+        ({"run": {"train": {"max_steps": 9}}}, "run.train.max_steps is set by FinetuneSpec.steps"),
+        ({"run": {"train": {"seed": 1}}}, "run.train.seed is set by FinetuneSpec.seed"),
+        ({"run": {"train": {"out_dir": "y"}}}, "run.train.out_dir is set by FinetuneSpec.out_dir"),
+        ({"run": {"data": {"source": "a.jsonl"}}}, "run.data.source is set by FinetuneSpec.mix"),
+        ({"run": {"compress": {"enabled": True}}}, "give compression as FinetuneSpec.compress"),
+        ({"compress": "on"}, "FinetuneSpec.compress='on': expected a mapping"),
+        ({"stepz": 3}, "stepz"),
+    ],
+)
+def test_bad_specs_name_the_field(change, message):
+    data = _spec()
+    for key, value in change.items():
+        data[key] = value  # replace whole sections, not merge
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        FinetuneSpec.from_dict(data)
+
+
+def test_the_run_mapping_takes_each_value_from_its_one_field():
+    spec = FinetuneSpec.from_dict(_spec())
+    run = run_mapping(spec, "m.jsonl")
+    assert run["data"]["source"] == "m.jsonl"
+    assert run["train"] == {"lr": 1e-4, "out_dir": "runs/x", "max_steps": 5, "seed": 3}
+    assert run["compress"] == {"enabled": True, "method": "none"}
+    assert spec.run == {"train": {"lr": 1e-4}}  # the spec itself is not changed
+    assert isinstance(spec.mix, MixConfig)
+    # the spec round-trips through its YAML (what finetune writes as finetune.yaml)
+    assert FinetuneSpec.from_dict(yaml.safe_load(yaml.safe_dump(spec.to_dict()))) == spec
+
+
+def _study_module():
+    path = ROOT / "experiments" / "long_context" / "study.py"
+    module_spec = importlib.util.spec_from_file_location("long_context_study", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("arm", ["compress", "control"])
+def test_the_long_context_study_runs_what_it_ran_before(arm):
+    """The study's spec gives the RunConfig mapping its pre-entry-point code built (transcribed
+    here from that code, commit 9863534: deep_merge of finetune.run with the mix, the out dir,
+    the seed and the arm's compression), so both seed-0 arms are one study."""
+    study_py = _study_module()
+    study = study_py.load_study(ROOT / "experiments" / "long_context" / "study.yaml")
+    ft = study["finetune"]
+    spec = study_py.finetune_spec(study, arm, 0)
+    got = run_mapping(spec, "MIX")
+    cal = json.loads((ROOT / "experiments" / "long_context" / "calibration.json").read_text())
+    compress = {"enabled": True, "method": "none"}
+    if arm == "compress":
+        compress = {
+            "enabled": True,
+            "method": "unicache",
+            "preset": "attention",
+            "attention_scorer": str(ROOT / "experiments" / "long_context" / "scorer.safetensors"),
+            "unicache": {"target_rate": cal["attention@16"]["rate"], "quantize": {"bits": 4}},
+        }
+    old_run = copy.deepcopy(ft["run"])
+    old_run["train"]["max_steps"] = 60  # then under run.train, now finetune.steps
+    out = Path(ft["out_dir"]) / f"{arm}_seed0"
+    before = deep_merge(
+        old_run,
+        {
+            "data": {"source": "MIX"},
+            "train": {"out_dir": str(out), "seed": 0},
+            "compress": {**compress, "seed": 0, **ft["compress"]},
+        },
+    )
+    assert got == before
+    assert spec.mix.kind == "long_context" and spec.mix.seed == ft["seed"] == 21
+    assert spec.mix.tasks == study["families"] and spec.mix.length == 512
+    assert spec.mix.records == 40 and spec.export and spec.export_dtype is None
+
+
+def _tiny_hf(path: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def test_a_fine_tune_writes_its_spec_paths_and_revision(tmp_path, monkeypatch):
+    monkeypatch.setenv("UNICACHE_TRAIN_REVISION", "feedface")  # as under `run --rev`
+    src = _tiny_hf(tmp_path / "src")
+    spec = FinetuneSpec.from_dict(
+        {
+            "checkpoint": str(src),
+            "out_dir": str(tmp_path / "run"),
+            "seed": 7,
+            "steps": 2,
+            "mix": {
+                "kind": "recall",
+                "tasks": [{"pairs": 2}],
+                "records": 6,
+                "seed": 1,
+                "text_fraction": 0.25,
+            },
+            "compress": {
+                "enabled": True,
+                "method": "unicache",
+                "preset": "text_style_baseline",
+                "unicache": {"target_rate": 0.5},
+            },
+            "run": {
+                "data": {"seq_len": 160, "batch_size": 2, "pack": False, "val_fraction": 0.0},
+                "train": {
+                    "lr": 1e-3,
+                    "warmup_steps": 0,
+                    "accelerator": "cpu",
+                    "resume": None,
+                    "limit_val_batches": 0,
+                    "progress_bar": False,
+                },
+                "logging": {"logger": "none"},
+                "monitor": {"gain": False, "plots": False},
+            },
+        }
+    )
+    result = finetune(spec)
+    out = tmp_path / "run"
+    assert result.steps == 2 and result.export_dir == out / "export"
+    assert result.checkpoint.is_file() and result.mix == out / "train_mix.jsonl"
+    assert FinetuneSpec.from_dict(yaml.safe_load(result.spec.read_text())) == spec
+    record = json.loads(result.run_json.read_text())
+    assert record["revision"] == {"sha": "feedface", "dirty": False, "source": "export"}
+    assert record["steps"] == 2 and record["export"] == str(out / "export")
+    assert json.loads((out / "revision.json").read_text())["sha"] == "feedface"
+    config = yaml.safe_load(result.config.read_text())
+    assert config["train"]["seed"] == 7 and config["train"]["max_steps"] == 2
+    assert config["data"]["source"] == str(out / "train_mix.jsonl")
+    policy = json.loads((out / "export" / "compression_config.json").read_text())
+    assert policy["policy"]["method"] == "unicache"
+    from unicache_train.checkpoint.hf import import_hf
+
+    import_hf(out / "export")  # the export reads back
