@@ -377,13 +377,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ft_model, export = finetune(kind, ckpt_dir, run, study, ft_cfg, out, family)
         ft_model = ft_model.to(device)
         log(f"[{time.time() - t_start:.0f}s] exported {export}")
+        if not study.get("evaluate_finetuned", True):
+            del ft_model
+            continue
         rows += evaluate(
             ft_model, tok, f"{kind} fine-tune", settings, tasks, study, blocks, log, out
         )
         write_results(rows, out, header)
         del ft_model
     log(f"[{time.time() - t_start:.0f}s] done; results in {out}/results.csv, .md, .png")
-    print((out / "results.md").read_text())
+    if (out / "results.md").is_file():
+        print((out / "results.md").read_text())
     if study.get("note"):
         print(study["note"])
     return rows

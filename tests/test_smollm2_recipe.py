@@ -260,3 +260,44 @@ def test_compress_unicache_overrides_apply_on_top_of_the_calibrated_setting(
     assert got["quantize"] == calibrated["quantize"]
     assert calibrated["selection"]["lr_scale"] != 300.0  # the override changed something
     assert user["compress"]["unicache"] == {"selection": {"lr_scale": 300.0}}  # not mutated
+
+
+@pytest.mark.parametrize("evaluate_finetuned", [True, False])
+def test_the_recipes_own_evaluation_of_the_fine_tunes_can_be_skipped(
+    recipe, tmp_path, monkeypatch, evaluate_finetuned
+) -> None:
+    """``study.evaluate_finetuned=false``: fine-tune and export only (a study evaluates the
+    exports itself); the base is still evaluated unless ``study.evaluate_base=false``."""
+    import unicache_train.checkpoint.gguf as gguf
+    import unicache_train.checkpoint.hf as hf
+    import unicache_train.data.eval_text as eval_text
+    import unicache_train.data.tokenizer as tokenizer
+    import unicache_train.eval.text as text
+
+    model, ids, _ = _tiny_model_and_batch()
+    monkeypatch.setattr(gguf, "fetch", lambda name: tmp_path)
+    monkeypatch.setattr(hf, "import_hf", lambda path: (model, model.config))
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(eval_text, "fetch_eval_text", lambda: None)
+    monkeypatch.setattr(eval_text, "eval_documents", lambda: [])
+    monkeypatch.setattr(text, "text_blocks", lambda tok, docs, n, k: ids)
+    monkeypatch.setattr(recipe, "checkpoint_family", lambda path: "llama")
+    monkeypatch.setattr(recipe, "build_settings", lambda *a: [])
+    labels = []
+    monkeypatch.setattr(recipe, "evaluate", lambda m, tok, label, *a: labels.append(label) or [])
+    import unicache_train.eval.report as report
+
+    monkeypatch.setattr(report, "write_results", lambda *a: None)
+    tuned = []
+    monkeypatch.setattr(
+        recipe, "finetune", lambda kind, *a: tuned.append(kind) or (model, tmp_path / kind)
+    )
+    recipe.main(
+        [
+            f"study.out_dir={tmp_path / 'out'}",
+            "study.finetune=[control]",
+            f"study.evaluate_finetuned={str(evaluate_finetuned).lower()}",
+        ]
+    )
+    assert tuned == ["control"]
+    assert labels == (["base", "control fine-tune"] if evaluate_finetuned else ["base"])
