@@ -211,5 +211,8 @@ def test_this_library_runs_from_its_own_export(tmp_path: Path, capfd, monkeypatc
     assert rc == 1
     assert "served from the checkout" not in capfd.readouterr().out
     # a unicache-train command through the export
-    assert revision.run_at_revision("HEAD", ["fetch", "--help"], ".", tmp_path / "c") == 0
+    from unicache_train.cli import COMMANDS
+
+    rc = revision.run_at_revision("HEAD", ["fetch", "--help"], ".", tmp_path / "c", COMMANDS)
+    assert rc == 0
     assert "fetch" in capfd.readouterr().out

@@ -615,7 +615,11 @@ def _run_rev(argv: list[str]) -> int:
     if "rev" not in opts:
         raise ConfigError("run: --rev REV is required (a commit, branch or tag)")
     return run_at_revision(
-        opts["rev"], argv[i:], repo=opts.get("repo", "."), cache_dir=opts.get("cache-dir")
+        opts["rev"],
+        argv[i:],
+        repo=opts.get("repo", "."),
+        cache_dir=opts.get("cache-dir"),
+        commands=COMMANDS,
     )
 
 

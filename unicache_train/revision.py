@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +170,7 @@ def _child(kind: str, target: str, args: list[str]) -> list[str]:
     return [sys.executable, "-c", _BOOTSTRAP, str(PACKAGE_ROOT), kind, target, *args]
 
 
-def _command_of(export: Path, argv: list[str]) -> list[str]:
+def _command_of(export: Path, argv: list[str], commands: Collection[str]) -> list[str]:
     if not argv:
         raise ConfigError(
             "run --rev REV: give the script to run (a .py path, -m MODULE or a command)"
@@ -179,9 +180,7 @@ def _command_of(export: Path, argv: list[str]) -> list[str]:
         if not rest:
             raise ConfigError("run --rev REV -m: give the module to run")
         return _child("module", rest[0], rest[1:])
-    from unicache_train.cli import COMMANDS  # late: the command line imports this module
-
-    if head in COMMANDS:
+    if head in commands:
         return _child("module", "unicache_train.cli", argv)
     script = Path(head)
     if script.is_absolute():
@@ -205,16 +204,18 @@ def run_at_revision(
     argv: list[str],
     repo: str | os.PathLike[str] = ".",
     cache_dir: str | os.PathLike[str] | None = None,
+    commands: Collection[str] = (),
 ) -> int:
     """Run ``argv`` (``SCRIPT ARGS...``, ``-m MODULE ARGS...`` or ``COMMAND ARGS...``) from the
     export of ``rev``; the child's exit code.
 
     The working directory stays the caller's; ``PYTHONPATH`` starts with the export; :data:`ENV`
     holds the sha, so :func:`current_revision` in the child (and every run's recorded revision)
-    reads it.
+    reads it. ``commands``: the names that run as ``python -m unicache_train.cli NAME`` (the
+    command line passes its own; a script path never collides with them).
     """
     export = export_revision(rev, repo, cache_dir)
-    command = _command_of(export, argv)
+    command = _command_of(export, argv, commands)
     env = dict(os.environ)
     env[ENV] = export.name
     env["PYTHONPATH"] = os.pathsep.join(
