@@ -204,3 +204,24 @@ def test_a_fine_tune_writes_its_spec_paths_and_revision(tmp_path, monkeypatch):
     from unicache_train.checkpoint.hf import import_hf
 
     import_hf(out / "export")  # the export reads back
+    # the written spec reruns through the command line, into another folder
+    from unicache_train.cli import main
+
+    main(["finetune", "--spec", str(result.spec), "--out_dir", str(tmp_path / "rerun")])
+    again = json.loads((tmp_path / "rerun" / "run.json").read_text())
+    assert again["steps"] == 2 and again["export"] == str(tmp_path / "rerun" / "export")
+
+
+def test_cli_finetune_bad_spec_is_one_line(tmp_path, capsys):
+    from unicache_train.cli import main
+
+    bad = tmp_path / "spec.yaml"
+    bad.write_text(yaml.safe_dump(_spec(steps=0)))
+    for argv, message in [
+        (["finetune", "--spec", str(bad)], "FinetuneSpec.steps=0 is out of range"),
+        (["finetune", "--spec", str(tmp_path / "none.yaml")], "no such file"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith("error: ") and message in err

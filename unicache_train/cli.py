@@ -13,6 +13,8 @@ with the values the run would use.
     unicache-train evaluate --checkpoint runs/x/checkpoints/last.ckpt 'sweep.rates=[0.3,0.6]'
     unicache-train export --checkpoint runs/x/checkpoints/last.ckpt --out exported/
     unicache-train generate --export exported/ --compressed --prompt "Q: what is"
+    unicache-train finetune --spec runs/x/finetune.yaml
+    unicache-train run --rev HEAD experiments/long_context/study.py finetune --arm control
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import math
 import sys
 import typing
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from unicache_train.commandline import Section, build_section, parse_args
@@ -406,6 +409,36 @@ def fetch(name: str = "smollm2", root: str | None = None, force: bool = False) -
     return str(path)
 
 
+def finetune(spec: str, out_dir: str | None = None) -> str:
+    """Fine-tune from a spec file: the library's one fine-tune entry point
+    (:func:`unicache_train.train.finetune.finetune`); every fine-tune writes its resolved spec
+    as ``<out_dir>/finetune.yaml``, so this command reruns any of them.
+
+    Example: ``unicache-train finetune --spec runs/long_context/control_seed0/finetune.yaml
+    --out_dir runs/rerun``
+
+    Args:
+        spec: a YAML :class:`~unicache_train.train.finetune.FinetuneSpec` (checkpoint, out_dir,
+            seed, steps, mix, compress, run, export settings).
+        out_dir: run into this folder instead of the spec's ``out_dir``.
+    """
+    from unicache_train.train.finetune import FinetuneSpec
+    from unicache_train.train.finetune import finetune as run_finetune
+    from unicache_train.validation import load_yaml_file
+
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"finetune --spec={spec!r}: no such file")
+    data = load_yaml_file(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of FinetuneSpec fields")
+    if out_dir is not None:
+        data["out_dir"] = out_dir
+    result = run_finetune(FinetuneSpec.from_dict(data))
+    print(result.run_json)
+    return str(result.run_json)
+
+
 def _user_error_types() -> tuple[type[BaseException], ...]:
     """The errors that mean "bad input" (a message for the user, not a bug to trace)."""
     from unicache_train.checkpoint.deepseek_v3 import DeepseekV3ExportError
@@ -462,6 +495,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "generate": generate,
     "export": export,
     "fetch": fetch,
+    "finetune": finetune,
 }
 
 
