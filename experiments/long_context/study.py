@@ -285,10 +285,58 @@ def _test(a: list[dict], b: list[dict]) -> dict:
     }
 
 
+def _pooled_tests(cells: dict) -> list[dict]:
+    """The fine-tuned arms pooled over their training seeds, clustered by prompt (exact
+    sign-flip, :func:`~unicache_train.eval.stats.sign_flip_clustered`): compress vs control, and
+    each arm vs the base, on every setting that all the seeds of both sides have."""
+    from unicache_train.eval.stats import sign_flip_clustered
+
+    def seeds_of(arm: str) -> list[str]:
+        return sorted({m for m, _ in cells if m.startswith(f"{arm}_seed")})
+
+    def column(model: str, name: str) -> list[bool]:
+        rows = sorted(cells[(model, name)], key=lambda r: (r["id"], r.get("question_index", 0)))
+        return [bool(r["correct"]) for r in rows]
+
+    out = []
+    settings = sorted({name for _, name in cells})
+    pairs = [("compress", "control"), ("compress", "base"), ("control", "base")]
+    for arm_a, arm_b in pairs:
+        for name in settings:
+            a_models = [m for m in seeds_of(arm_a) if (m, name) in cells]
+            if len(a_models) < 2:
+                continue
+            if arm_b == "base":
+                b_models = ["base"] * len(a_models) if ("base", name) in cells else []
+            else:
+                b_models = [m for m in seeds_of(arm_b) if (m, name) in cells]
+            if len(b_models) != len(a_models):
+                continue
+            t = sign_flip_clustered(
+                [column(m, name) for m in a_models], [column(m, name) for m in b_models]
+            )
+            out.append(
+                {
+                    "comparison": "pooled over seeds, clustered by prompt",
+                    "a": f"{arm_a} seeds {len(a_models)} {name}",
+                    "b": f"{arm_b} {name}" if arm_b == "base" else f"{arm_b} seeds {name}",
+                    "n": t.prompts,
+                    "hits_a": t.a_hits,
+                    "hits_b": t.b_hits,
+                    "only_a": t.only_a,
+                    "only_b": t.only_b,
+                    "p_mcnemar": t.p_value,
+                }
+            )
+    return out
+
+
 def table(study: dict) -> None:
     """results.csv (a row per model and setting), tests.csv (exact McNemar on the same
     prompts: the scorer against each anchor at the same reduction, per model; the fine-tuned
-    arms against the base and the control with the same setting), from raw/*.jsonl only."""
+    arms against the base and the control of the same seed with the same setting; pooled over
+    seeds, clustered by prompt, where two seeds exist: ``p_mcnemar`` is then the sign-flip
+    test's p), from raw/*.jsonl only."""
     from unicache_train.eval.stats import wilson_interval
 
     cells = _cells(HERE / "raw")
@@ -357,7 +405,8 @@ def table(study: dict) -> None:
         for (m2, name), rows in cells.items():
             if m2 != model:
                 continue
-            for other in ("base", "control_seed0"):
+            seed = model.rsplit("_seed", 1)[-1] if "_seed" in model else "0"
+            for other in ("base", f"control_seed{seed}"):
                 ref = cells.get((other, name))
                 if ref and other != model:
                     tests.append(
@@ -368,6 +417,7 @@ def table(study: dict) -> None:
                             **_test(rows, ref),
                         }
                     )
+    tests += _pooled_tests(cells)
     if tests:
         with _atomic(HERE / "tests.csv") as f:
             w = csv.DictWriter(f, fieldnames=list(tests[0]))
