@@ -75,16 +75,20 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def spec_of(hf: dict[str, Any], data: dict[str, Any]):
     """The library's :class:`~unicache_train.train.finetune.FinetuneSpec` of this recipe's
-    sections: ``data.source`` is the mix (a prepared file), ``train.max_steps`` / ``train.seed``
-    the spec's steps and seed, ``hf.seed`` the retrofit's seed, ``compress`` the spec's."""
+    sections: ``data.source`` is the mix (a prepared file), ``train.max_steps`` /
+    ``train.seed`` / ``data.seed`` the spec's steps, seed and data seed, ``hf.seed`` the
+    retrofit's seed, ``compress`` the spec's."""
     import copy
 
+    from unicache_train.data.config import DataConfig
     from unicache_train.train.config import TrainConfig
     from unicache_train.train.finetune import FinetuneSpec
 
     run = copy.deepcopy(data)
     train = run.setdefault("train", {})
-    source = (run.setdefault("data", {})).pop("source", None)
+    data = run.setdefault("data", {})
+    source = data.pop("source", None)
+    data_seed = int(data.pop("seed", DataConfig().seed))  # the data order, as the recipe ran
     mix = (
         {"kind": "synthetic"} if source in (None, "synthetic") else {"kind": "file", "path": source}
     )
@@ -94,6 +98,7 @@ def spec_of(hf: dict[str, Any], data: dict[str, Any]):
             "checkpoint": str(hf["checkpoint_dir"]),
             "out_dir": str(train.pop("out_dir", defaults.out_dir)),
             "seed": int(train.pop("seed", defaults.seed)),
+            "data_seed": data_seed,
             "steps": int(train.pop("max_steps", defaults.max_steps)),
             "mix": mix,
             "compress": run.pop("compress", None) or {"enabled": False},

@@ -253,6 +253,7 @@ def finetune(
     """Fine-tune with the in-loop compressor (``compress``) or nothing compressed
     (``control``); return the fine-tuned model (fp32, eval mode) and its export directory
     (written as ``family``, the source checkpoint's)."""
+    from unicache_train.data.config import DataConfig
     from unicache_train.train.config import TrainConfig
     from unicache_train.train.finetune import FinetuneSpec
     from unicache_train.train.finetune import finetune as run_finetune
@@ -270,13 +271,17 @@ def finetune(
         comp["unicache"] = deep_merge(method_cfg.to_dict(), comp.get("unicache") or {})
     else:
         comp["method"] = "none"
-    run.get("data", {}).pop("source", None)  # the spec's mix
+    data = run.setdefault("data", {})
+    data.pop("source", None)  # the spec's mix
+    # The data order the studies ran with: data.seed (default 0), not train.seed.
+    data_seed = int(data.pop("seed", DataConfig().seed))
     train.pop("out_dir", None)  # the spec's out_dir
     spec = FinetuneSpec.from_dict(
         {
             "checkpoint": str(ckpt_dir),
             "out_dir": str(out / kind),
             "seed": int(train.pop("seed", defaults.seed)),
+            "data_seed": data_seed,
             "steps": int(train.pop("max_steps", defaults.max_steps)),
             "mix": {
                 "kind": "recall",

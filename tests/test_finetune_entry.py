@@ -59,6 +59,8 @@ def _spec(**kw):
         ),
         ({"run": {"train": {"max_steps": 9}}}, "run.train.max_steps is set by FinetuneSpec.steps"),
         ({"run": {"train": {"seed": 1}}}, "run.train.seed is set by FinetuneSpec.seed"),
+        ({"run": {"data": {"seed": 1}}}, "run.data.seed is set by FinetuneSpec.data_seed"),
+        ({"data_seed": -2}, "FinetuneSpec.data_seed=-2 is out of range"),
         ({"run": {"train": {"out_dir": "y"}}}, "run.train.out_dir is set by FinetuneSpec.out_dir"),
         ({"run": {"data": {"source": "a.jsonl"}}}, "run.data.source is set by FinetuneSpec.mix"),
         ({"run": {"compress": {"enabled": True}}}, "give compression as FinetuneSpec.compress"),
@@ -77,13 +79,23 @@ def test_bad_specs_name_the_field(change, message):
 def test_the_run_mapping_takes_each_value_from_its_one_field():
     spec = FinetuneSpec.from_dict(_spec())
     run = run_mapping(spec, "m.jsonl")
-    assert run["data"]["source"] == "m.jsonl"
+    assert run["data"] == {"source": "m.jsonl", "seed": 3}  # data order: the run's seed
     assert run["train"] == {"lr": 1e-4, "out_dir": "runs/x", "max_steps": 5, "seed": 3}
     assert run["compress"] == {"enabled": True, "method": "none"}
     assert spec.run == {"train": {"lr": 1e-4}}  # the spec itself is not changed
     assert isinstance(spec.mix, MixConfig)
     # the spec round-trips through its YAML (what finetune writes as finetune.yaml)
     assert FinetuneSpec.from_dict(yaml.safe_load(yaml.safe_dump(spec.to_dict()))) == spec
+
+
+def test_the_data_order_has_its_own_seed_when_given():
+    """``data_seed`` orders the data (``data.seed``) apart from ``seed`` (``train.seed``); the
+    control fine-tune has nothing else random, so two seeds sharing a data order train the
+    same weights (measured: raw/identical/ in the long-context study)."""
+    run = run_mapping(FinetuneSpec.from_dict(_spec(data_seed=0)), "m.jsonl")
+    assert run["data"]["seed"] == 0 and run["train"]["seed"] == 3
+    run = run_mapping(FinetuneSpec.from_dict(_spec(seed=1, data_seed=5)), "m.jsonl")
+    assert run["data"]["seed"] == 5 and run["train"]["seed"] == 1
 
 
 def _study_module():
@@ -95,14 +107,18 @@ def _study_module():
 
 
 @pytest.mark.parametrize("arm", ["compress", "control"])
-def test_the_long_context_study_runs_what_it_ran_before(arm):
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_long_context_study_runs_what_it_ran_before(arm, seed):
     """The study's spec gives the RunConfig mapping its pre-entry-point code built (transcribed
     here from that code, commit 9863534: deep_merge of finetune.run with the mix, the out dir,
-    the seed and the arm's compression), so both seed-0 arms are one study."""
+    the seed and the arm's compression; data.seed then DataConfig's default, 0), so every arm
+    run with the pinned data order is one study."""
+    from unicache_train.data.config import DataConfig
+
     study_py = _study_module()
     study = study_py.load_study(ROOT / "experiments" / "long_context" / "study.yaml")
     ft = study["finetune"]
-    spec = study_py.finetune_spec(study, arm, 0)
+    spec = study_py.finetune_spec(study, arm, seed)
     got = run_mapping(spec, "MIX")
     cal = json.loads((ROOT / "experiments" / "long_context" / "calibration.json").read_text())
     compress = {"enabled": True, "method": "none"}
@@ -116,19 +132,34 @@ def test_the_long_context_study_runs_what_it_ran_before(arm):
         }
     old_run = copy.deepcopy(ft["run"])
     old_run["train"]["max_steps"] = 60  # then under run.train, now finetune.steps
-    out = Path(ft["out_dir"]) / f"{arm}_seed0"
+    out = Path(ft["out_dir"]) / f"{arm}_seed{seed}"
     before = deep_merge(
         old_run,
         {
-            "data": {"source": "MIX"},
-            "train": {"out_dir": str(out), "seed": 0},
-            "compress": {**compress, "seed": 0, **ft["compress"]},
+            "data": {"source": "MIX", "seed": DataConfig().seed},
+            "train": {"out_dir": str(out), "seed": seed},
+            "compress": {**compress, "seed": seed, **ft["compress"]},
         },
     )
     assert got == before
     assert spec.mix.kind == "long_context" and spec.mix.seed == ft["seed"] == 21
     assert spec.mix.tasks == study["families"] and spec.mix.length == 512
     assert spec.mix.records == 40 and spec.export and spec.export_dtype is None
+
+
+def test_the_long_context_study_labels_another_data_order_and_pairs_by_seed():
+    study_py = _study_module()
+    study = study_py.load_study(ROOT / "experiments" / "long_context" / "study.yaml")
+    spec = study_py.finetune_spec(study, "control", 1, data_seed=1)
+    assert spec.out_dir.endswith("control_seed1_data1") and spec.data_seed == 1
+    assert run_mapping(spec, "MIX")["data"]["seed"] == 1
+    pinned = study["finetune"]["data_seed"]
+    assert study_py.run_label(study, "control", 1, pinned) == "control_seed1"
+    assert study_py._seed_of("compress_seed1_data1") == "1" and study_py._seed_of("base") == "0"
+    models = ["base", "compress_seed0", "compress_seed1", "control_seed0", "control_seed1_data1"]
+    assert study_py._control_of("compress_seed1", models) == "control_seed1_data1"
+    assert study_py._control_of("compress_seed0", models) == "control_seed0"
+    assert study_py._control_of("compress_seed2", models) is None
 
 
 def _tiny_hf(path: Path) -> Path:

@@ -260,6 +260,13 @@ def test_compress_unicache_overrides_apply_on_top_of_the_calibrated_setting(
     assert got["quantize"] == calibrated["quantize"]
     assert calibrated["selection"]["lr_scale"] != 300.0  # the override changed something
     assert user["compress"]["unicache"] == {"selection": {"lr_scale": 300.0}}  # not mutated
+    # the data order the studies ran with: data.seed (0 unless given), whatever train.seed is
+    assert seen["data"]["seed"] == 0 and seen["train"]["seed"] == 42  # TrainConfig's default
+    seen.clear()
+    user = {"train": {"seed": 1}, "data": {"seed": 4}}
+    with pytest.raises(Stop):
+        recipe.finetune("control", tmp_path, user, study, setting.unicache, tmp_path, "llama")
+    assert seen["data"]["seed"] == 4 and seen["train"]["seed"] == 1
 
 
 @pytest.mark.parametrize("evaluate_finetuned", [True, False])

@@ -210,12 +210,22 @@ def run(study: dict, only: list[str] | None, model_dir=None, label=None) -> None
     print(json.dumps({**timing, "settings": len(settings), "prompts": len(recs)}))
 
 
-def finetune_spec(study: dict, arm: str, seed: int):
+def run_label(study: dict, arm: str, seed: int, data_seed: int | None = None) -> str:
+    """The run's folder and model label: ``{arm}_seed{S}``, with ``_data{K}`` when the data
+    order is not the study's pinned ``finetune.data_seed``."""
+    pinned = int(study["finetune"]["data_seed"])
+    suffix = "" if data_seed is None or int(data_seed) == pinned else f"_data{int(data_seed)}"
+    return f"{arm}_seed{seed}{suffix}"
+
+
+def finetune_spec(study: dict, arm: str, seed: int, data_seed: int | None = None):
     """The :class:`~unicache_train.train.finetune.FinetuneSpec` of one arm and seed, from the
     frozen ``finetune`` section: the compression-aware fine-tune (``compress``: the fitted scorer
     + int4 in the loop at the ``finetune.reduction`` setting's calibrated rate, the keep ratio
     ramped from 1 over ``curriculum_steps``, KL to the uncompressed forward on the answer) or its
-    control (``control``: the same data, splits, steps and loss, nothing compressed)."""
+    control (``control``: the same data, splits, steps and loss, nothing compressed).
+    ``data_seed`` (None: the pinned ``finetune.data_seed``) orders the data; ``seed`` seeds the
+    rest (``train.seed``, ``compress.seed``)."""
     from unicache_train.train.finetune import FinetuneSpec
     from unicache_train.validation import ConfigError
 
@@ -236,8 +246,9 @@ def finetune_spec(study: dict, arm: str, seed: int):
     return FinetuneSpec.from_dict(
         {
             "checkpoint": study["checkpoint"],
-            "out_dir": str(Path(ft["out_dir"]) / f"{arm}_seed{seed}"),
+            "out_dir": str(Path(ft["out_dir"]) / run_label(study, arm, seed, data_seed)),
             "seed": seed,
+            "data_seed": int(ft["data_seed"] if data_seed is None else data_seed),
             "steps": int(ft["steps"]),
             "mix": {
                 "kind": "long_context",
@@ -252,12 +263,12 @@ def finetune_spec(study: dict, arm: str, seed: int):
     )
 
 
-def finetune(study: dict, arm: str, seed: int) -> None:
+def finetune(study: dict, arm: str, seed: int, data_seed: int | None = None) -> None:
     """Run :func:`finetune_spec`'s spec through the library's fine-tune; the export (with the
     scorer beside the weights for the compress arm) lands in ``<out_dir>/export``."""
     from unicache_train.train.finetune import finetune as run_finetune
 
-    result = run_finetune(finetune_spec(study, arm, seed))
+    result = run_finetune(finetune_spec(study, arm, seed, data_seed))
     print(f"{arm} seed {seed}: {result.steps} steps in {result.seconds:.0f}s -> {result.out_dir}")
 
 
@@ -283,6 +294,18 @@ def _test(a: list[dict], b: list[dict]) -> dict:
         "only_b": t.only_b,
         "p_mcnemar": t.p_value,
     }
+
+
+def _seed_of(model: str) -> str:
+    """``compress_seed1_data1`` -> ``1``; a label without a seed -> ``0``."""
+    return model.rsplit("_seed", 1)[-1].split("_", 1)[0] if "_seed" in model else "0"
+
+
+def _control_of(model: str, models: list[str]) -> str | None:
+    """The control a fine-tuned model is paired with: the control of the same seed (its first
+    label in sort order, the pinned data order before any ``_data{K}``)."""
+    same = [m for m in models if m.startswith("control_seed") and _seed_of(m) == _seed_of(model)]
+    return same[0] if same else None
 
 
 def _pooled_tests(cells: dict) -> list[dict]:
@@ -405,8 +428,7 @@ def table(study: dict) -> None:
         for (m2, name), rows in cells.items():
             if m2 != model:
                 continue
-            seed = model.rsplit("_seed", 1)[-1] if "_seed" in model else "0"
-            for other in ("base", f"control_seed{seed}"):
+            for other in ("base", _control_of(model, models)):
                 ref = cells.get((other, name))
                 if ref and other != model:
                     tests.append(
@@ -434,6 +456,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("command", choices=["fit-scorer", "calibrate", "run", "table", "finetune"])
     ap.add_argument("--arm", default="compress")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--data-seed", type=int, help="finetune: the data order (default: finetune.data_seed)"
+    )
     ap.add_argument("--model", help="run: evaluate this export instead of the base")
     ap.add_argument("--label", help="run: the model's label in raw/ (default: its folder)")
     ap.add_argument("--config", type=Path, default=HERE / "study.yaml")
@@ -448,7 +473,7 @@ def main(argv: list[str]) -> None:
     elif args.command == "run":
         run(study, args.only, args.model, args.label)
     elif args.command == "finetune":
-        finetune(study, args.arm, args.seed)
+        finetune(study, args.arm, args.seed, args.data_seed)
     else:
         table(study)
 

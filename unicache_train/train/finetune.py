@@ -14,10 +14,11 @@ and an output folder in, the run's paths out.
 The spec is the whole config: every value the run uses is in it or is a documented default of
 :class:`~unicache_train.train.config.RunConfig`; nothing comes from a recipe's YAML. The values
 that the spec's own fields set (``data.source``, ``train.out_dir``, ``train.max_steps``,
-``train.seed``) are refused inside ``run``, so each lives in one place. A study freezes a spec (or
-the fields it builds one from) in its ``study.yaml``; the resolved spec is written to
-``<out_dir>/finetune.yaml`` before the run starts, and ``run.json`` after it: the paths, the steps
-taken, the seconds and the code revision (:func:`unicache_train.revision.current_revision`).
+``train.seed``, ``data.seed``) are refused inside ``run``, so each lives in one place. A study
+freezes a spec (or the fields it builds one from) in its ``study.yaml``; the resolved spec is
+written to ``<out_dir>/finetune.yaml`` before the run starts, and ``run.json`` after it: the
+paths, the steps taken, the seconds and the code revision
+(:func:`unicache_train.revision.current_revision`).
 
 Stages: the mix is written (``<out_dir>/train_mix.jsonl``, atomically; or a given file is used)
 -> :func:`~unicache_train.train.from_hf.prepare_hf_run` (import, optional mHC retrofit, init
@@ -54,6 +55,7 @@ _OWNED = {
     ("train", "out_dir"): "out_dir",
     ("train", "max_steps"): "steps",
     ("train", "seed"): "seed",
+    ("data", "seed"): "data_seed",
 }
 
 
@@ -116,9 +118,13 @@ class FinetuneSpec(ConfigBase):
         checkpoint: a checkpoint known to :func:`unicache_train.checkpoint.gguf.fetch`
             (``smollm2``, fetched into the cache if needed) or a local HF checkpoint directory.
         out_dir: the run's folder (checkpoints, logs, ``export/``, ``run.json``).
-        seed: the run's seed (``train.seed``: initialisation of anything new, data order,
-            in-loop random splits). The mix and the compressor have their own (``mix.seed``,
-            ``compress.seed``).
+        seed: the run's seed (``train.seed``: initialisation of anything new, dropout, in-loop
+            random splits) and, unless ``data_seed`` is given, the data order. The mix and the
+            compressor have their own (``mix.seed``, ``compress.seed``).
+        data_seed: the data order and the train/val split (``data.seed``); None: ``seed``. A
+            fine-tune with no dropout, no new weights and nothing random in the loop (the
+            control) is a function of this seed alone: two seeds that share it train the same
+            weights.
         steps: optimizer steps (``train.max_steps``, >= 1).
         mix: the training data (:class:`MixConfig`).
         compress: the in-loop compression, a
@@ -139,6 +145,7 @@ class FinetuneSpec(ConfigBase):
     checkpoint: str = ""
     out_dir: str = ""
     seed: int = 0
+    data_seed: int | None = None
     steps: int = 0
     mix: MixConfig | None = None
     compress: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
@@ -164,6 +171,8 @@ class FinetuneSpec(ConfigBase):
         if not self.out_dir:
             raise ConfigError("FinetuneSpec.out_dir is not set")
         check_int(self, "seed", 0)
+        if self.data_seed is not None:
+            check_int(self, "data_seed", 0)
         check_int(self, "steps", 1)
         check_bool(self, "mhc")
         check_bool(self, "export")
@@ -250,7 +259,9 @@ def write_mix(mix: MixConfig, out_dir: Path, checkpoint_dir: Path) -> Path:
 def run_mapping(spec: FinetuneSpec, mix_path: str | Path) -> dict[str, Any]:
     """The RunConfig mapping of ``spec`` (before the checkpoint's model section is added)."""
     run = copy.deepcopy(spec.run)
-    run.setdefault("data", {})["source"] = str(mix_path)
+    data = run.setdefault("data", {})
+    data["source"] = str(mix_path)
+    data["seed"] = int(spec.seed if spec.data_seed is None else spec.data_seed)
     train = run.setdefault("train", {})
     train["out_dir"] = str(spec.out_dir)
     train["max_steps"] = int(spec.steps)
