@@ -102,3 +102,60 @@ def test_length_batches_group_equal_lengths_only_and_cover_every_prompt(kb) -> N
     for b in batches:
         assert len(b) <= 2 and len({(len(enc[i][0]), len(enc[i][1]), enc[i][2]) for i in b}) == 1
     assert batches[0] == [0, 2] and [4] in batches  # first appearance order, split at size
+
+
+def test_token_id_prompts_and_the_study_names(kb, tmp_path) -> None:
+    from unicache_train.data.long_context import score_prediction
+
+    for pred, answers in [(" 123 and 456", ["123", "456"]), ("ABC", ["abc"]), ("12", ["123"])]:
+        assert kb.contains_all(pred, answers) == score_prediction(pred, answers)
+    grid = kb.build_grid(["KVzip"], [16.0], [16, 4], plain=True)
+    assert [kb.study_setting(s) for s in grid] == [
+        "kvpress_none",
+        "kvpress_int4",
+        "kvpress_KVzip_16bit@16",
+        "kvpress_KVzip_int4@16",
+    ]
+    row = {"id": "a", "task": "t", "context_ids": [1, 2], "question_ids": [3], "answers": ["x"]}
+    path = tmp_path / "ids.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match="lacks \\['max_new'\\]"):
+        kb.read_prompts(path)
+
+
+def test_no_press_and_plain_int4_rows_equal_our_long_context_engine(kb) -> None:
+    """The sanity row through the harness's own path (transformers model, DynamicCache, its
+    restated int4): on the real checkpoint, the long-context study's token-id prompts give our
+    engine's predictions (eval/long_context.py, our Decoder) token for token, uncompressed and
+    at plain int4. kvpress itself is not needed (no press)."""
+    from unicache_train.checkpoint.gguf import CheckpointNotFetched, fetched_dir
+
+    try:
+        ckpt = fetched_dir("smollm2")
+    except CheckpointNotFetched as err:  # pragma: no cover - depends on the machine
+        pytest.skip(str(err))
+    from unicache_train.checkpoint.hf import import_hf
+    from unicache_train.compress import UniCacheCompressor, presets
+    from unicache_train.data.long_context import LongContextTask, long_context_records
+    from unicache_train.data.tokenizer import load_tokenizer
+    from unicache_train.eval.budget import unicache_at_rate
+    from unicache_train.eval.long_context import ANSWER_MARGIN, run_long_context
+    from unicache_train.seam import IdentityCompressor
+
+    tok = load_tokenizer(str(ckpt))
+    recs = long_context_records(LongContextTask(tokens=256), 3, 1_000_101, tok, split="eval")
+    model, _ = import_hf(ckpt)
+    int4 = UniCacheCompressor(unicache_at_rate(presets.sinks_recent(), 0.0, "int4"))  # study's
+    ours, _ = run_long_context(
+        model.eval(), tok, recs, {"none": IdentityCompressor(), "int4": int4}, batch_size=1
+    )
+    runner = kb.PressRunner(ckpt, ckpt, threads=2)
+    for name, bits in [("none", 16), ("int4", 4)]:
+        for r, row in zip(recs, ours[name].rows):
+            ctx = tok.encode(r["context"], add_bos=True)
+            q = tok.encode(r["question"])
+            n = len(tok.encode(" " + ", ".join(r["answers"]))) + ANSWER_MARGIN
+            (pred,), kept = runner.answer([ctx], [q], n, None, bits, raw=True)
+            assert kept == len(ctx) * 30 * 3  # every K vector, 30 layers x 3 KV heads
+            assert pred == row["prediction"], (name, r["id"])
+            assert kb.contains_all(pred, r["answers"]) == row["correct"]

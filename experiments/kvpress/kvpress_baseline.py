@@ -59,7 +59,8 @@ import torch
 
 EVAL_SEED_FLOOR = 1_000_000  # unicache_train.data.recall_mix.EVAL_SEED_FLOOR
 SCALE_BYTES = 2  # one fp16 scale per (token, KV head) vector
-PRESSES = ("StreamingLLM", "SnapKV", "Knorm", "ExpectedAttention", "TOVA", "KeyDiff")
+PRESSES = ("StreamingLLM", "SnapKV", "Knorm", "ExpectedAttention", "TOVA", "KeyDiff", "KVzip")
+MASKED_PRESSES = ("KVzip",)  # evict by head-wise masks, batch size 1 (kvpress's KVzipPress)
 CSV_COLUMNS = (
     "model",
     "weights",
@@ -171,10 +172,20 @@ def build_grid(
 
 
 # ------------------------------------------------------------------------------ prompts
+#: Fields of a text prompt (recall: exact match of one answer) and of a token-id prompt (the
+#: long-context study's ``study.py kvpress-prompts``: every answer contained, case-insensitive).
+TEXT_FIELDS = {"id", "task", "context", "question", "answer"}
+ID_FIELDS = {"id", "task", "context_ids", "question_ids", "answers", "max_new"}
+
+
 def read_prompts(path: Path) -> list[dict]:
+    """Prompts of one kind: text (``TEXT_FIELDS``) or token ids (``ID_FIELDS``)."""
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not recs:
+        raise ValueError(f"{path}: no prompts")
+    fields = ID_FIELDS if "context_ids" in recs[0] else TEXT_FIELDS
     for r in recs:
-        missing = {"id", "task", "context", "question", "answer"} - set(r)
+        missing = fields - set(r)
         if missing:
             raise ValueError(f"{path}: record {r.get('id', '?')} lacks {sorted(missing)}")
     if len({r["id"] for r in recs}) != len(recs):
@@ -282,20 +293,75 @@ class PressRunner:
     def make_press(self, s: Setting):
         import kvpress
 
+        if s.press == "KVzip":
+            self._kvzip_tokenizer()
         return getattr(kvpress, f"{s.press}Press")(compression_ratio=s.ratio(self.head_dim))
 
+    def _kvzip_tokenizer(self) -> None:
+        """KVzip builds its repeat prompt from the tokenizer at ``model.config.name_or_path``
+        and, when that has a chat template, treats the template's prefix length as a prompt
+        prefix to skip. Our prompts are raw text (no chat template: ``[bos] + context``), so
+        KVzip gets a copy of the tokenizer without the template: no prefix, ``"\n"`` before
+        the repeated context (kvpress's own choice for template-less models)."""
+        import shutil
+        import tempfile
+
+        if getattr(self, "_plain_tok_dir", None):
+            return
+        out = Path(tempfile.mkdtemp(prefix="kvzip_tok_"))
+        for f in Path(self.tok.name_or_path).iterdir():
+            if f.name in ("tokenizer.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+                shutil.copy(f, out / f.name)
+            elif f.name == "tokenizer_config.json":
+                cfg = json.loads(f.read_text())
+                cfg.pop("chat_template", None)
+                (out / f.name).write_text(json.dumps(cfg))
+        self._plain_tok_dir = out
+        self.model.config.name_or_path = str(out)
+
+    def kept_entries(self, cache) -> int:
+        """K (or V) vectors one prompt's cache keeps, summed over layers and KV heads: the
+        entries a press evicted (tokens cut from the cache) and the ones it masks head-wise
+        (kvpress's ``masked_key_indices``: KVzip, AdaKV) both count as gone."""
+        kept = 0
+        for i, layer in enumerate(cache.layers):
+            if layer.keys.shape[0] != 1 and self._masked(i) is not None:
+                raise ValueError("head-wise masked presses run one prompt at a time")
+            kept += layer.keys.shape[1] * layer.keys.shape[-2]
+            masked = self._masked(i)
+            if masked is not None:
+                kept -= int(masked[0].numel())
+        return kept
+
+    def _masked(self, layer_idx: int):
+        return getattr(self.model.model.layers[layer_idx].self_attn, "masked_key_indices", None)
+
     def encode(self, rec: dict) -> tuple[list[int], list[int], int]:
-        """(context ids ``[bos] + context``, question ids, answer tokens to decode)."""
+        """(context ids ``[bos] + context``, question ids, answer tokens to decode); a token-id
+        prompt gives them itself."""
+        if "context_ids" in rec:
+            return list(rec["context_ids"]), list(rec["question_ids"]), int(rec["max_new"])
         tok = self.tok
         ctx = [tok.bos_token_id] + tok.encode(rec["context"], add_special_tokens=False)
         q = tok.encode(rec["question"], add_special_tokens=False)
         return ctx, q, len(tok.encode(" " + rec["answer"], add_special_tokens=False)) + 1
 
     @torch.no_grad()
-    def answer(self, ctx: list[list[int]], q: list[list[int]], n_ans: int, press, bits: int):
+    def answer(
+        self,
+        ctx: list[list[int]],
+        q: list[list[int]],
+        n_ans: int,
+        press,
+        bits: int,
+        raw: bool = False,
+    ):
         """Predictions of a batch of prompts whose contexts, questions and answers have the same
         token lengths (no padding: a press scores exactly what it scores one prompt at a time),
-        and the entries each prompt's cache kept, summed over layers.
+        and the K vectors each prompt's cache kept, summed over layers and KV heads.
+
+        ``raw``: the whole decoded continuation (token-id prompts, scored by containment);
+        else its first line, stripped (recall, scored by exact match).
 
         Returns:
             (list of B predictions, kept entries per prompt).
@@ -311,9 +377,8 @@ class PressRunner:
         else:
             with press(model):
                 model(input_ids=ids, past_key_values=cache)
-        kept = 0
+        kept = self.kept_entries(cache)
         for layer in cache.layers:
-            kept += layer.keys.shape[-2]
             if bits != 16:  # NOTE: after the press: storage of what it kept, as our pipeline
                 layer.keys = fake_quantize(layer.keys, bits)
                 layer.values = fake_quantize(layer.values, bits)
@@ -330,6 +395,8 @@ class PressRunner:
             nxt = out.logits[:, -1].argmax(-1)
             gen.append(nxt)
         toks = torch.stack(gen, 1).tolist()  # [B, n_ans]
+        if raw:
+            return [self.tok.decode(t, skip_special_tokens=True) for t in toks], kept
         preds = [
             self.tok.decode(t, skip_special_tokens=True).lstrip(" ").split("\n")[0].strip()
             for t in toks
@@ -337,9 +404,26 @@ class PressRunner:
         return preds, kept
 
     def bytes_of(self, ctx_tokens: int, kept: int, bits: int) -> tuple[int, int]:
-        """(uncompressed 16-bit bytes, stored bytes) of one prompt's context cache (K and V)."""
+        """(uncompressed 16-bit bytes, stored bytes) of one prompt's context cache (K and V);
+        ``kept``: the K vectors kept, over layers and KV heads (:meth:`kept_entries`)."""
         base = 2 * self.layers * ctx_tokens * self.kv_heads * vector_bytes(16, self.head_dim)
-        return base, 2 * kept * self.kv_heads * vector_bytes(bits, self.head_dim)
+        return base, 2 * kept * vector_bytes(bits, self.head_dim)
+
+
+def contains_all(prediction: str, answers: list[str]) -> bool:
+    """Every expected value occurs in the prediction, case-insensitive (RULER's
+    ``string_match_all``; :func:`unicache_train.data.long_context.score_prediction`, restated:
+    this half runs without our package)."""
+    low = prediction.lower()
+    return all(str(a).lower() in low for a in answers)
+
+
+def study_setting(s: Setting) -> str:
+    """The long-context study's name of a row: ``kvpress_<Press>_<storage>@<R>``,
+    ``kvpress_none`` (the no-press row), ``kvpress_int4`` (plain)."""
+    if s.press is None:
+        return "kvpress_none" if s.bits == 16 else f"kvpress_{s.storage}"
+    return f"kvpress_{s.press}_{s.storage}@{s.target:g}"
 
 
 def length_batches(enc: list[tuple[list[int], list[int], int]], size: int) -> list[list[int]]:
@@ -351,6 +435,12 @@ def length_batches(enc: list[tuple[list[int], list[int], int]], size: int) -> li
     return [g[s : s + size] for g in groups.values() for s in range(0, len(g), size)]
 
 
+def _jsonl_name(model: str, s: Setting, ids_kind: bool) -> str:
+    """Per-prompt file of a row: ``kvpress_<model>_<setting>.jsonl``; for token-id prompts the
+    long-context study's ``<model>_<study setting>.jsonl`` (its ``raw/`` layout)."""
+    return f"{model}_{study_setting(s)}.jsonl" if ids_kind else f"kvpress_{model}_{s.name}.jsonl"
+
+
 def _version(pkg: str) -> str:
     from importlib.metadata import version
 
@@ -359,8 +449,9 @@ def _version(pkg: str) -> str:
 
 def run_presses(args) -> None:
     recs = read_prompts(args.prompts)
+    ids_kind = "context_ids" in recs[0]
     tasks = sorted({r["task"] for r in recs})
-    if len(tasks) != 1:
+    if len(tasks) != 1 and not ids_kind:
         raise SystemExit(f"{args.prompts}: one task per file, got {tasks}")
     reference = None
     if args.reference:
@@ -384,7 +475,7 @@ def run_presses(args) -> None:
     if not new:  # a row already in the CSV (its predictions beside it) is not run again
         with out_csv.open(newline="") as f:
             done = {r["predictions"] for r in csv.DictReader(x for x in f if x[0] != "#")}
-        skip = [s for s in grid if f"kvpress_{args.name}_{s.name}.jsonl" in done]
+        skip = [s for s in grid if _jsonl_name(args.name, s, ids_kind) in done]
         if skip:
             print(f"{out_csv}: rows already there, skipped: {[s.name for s in skip]}")
         grid = [s for s in grid if s not in skip]
@@ -397,19 +488,39 @@ def run_presses(args) -> None:
         for s in grid:
             press = None if s.press is None else runner.make_press(s)
             t0, base_b, stored_b, ctx_t, kept_t, rows = time.time(), 0, 0, 0, 0, {}
-            for idx in batches:
+            # Head-wise masked presses (KVzip) score one prompt at a time.
+            todo = [[i] for b in batches for i in b] if s.press in MASKED_PRESSES else batches
+            for idx in todo:
                 preds, kept = runner.answer(
                     [enc[i][0] for i in idx],
                     [enc[i][1] for i in idx],
                     enc[idx[0]][2],
                     press,
                     s.bits,
+                    raw=ids_kind,
                 )
                 for i, pred in zip(idx, preds):
                     r, n_ctx = recs[i], len(enc[i][0])
                     b, st = runner.bytes_of(n_ctx, kept, s.bits)
                     base_b, stored_b = base_b + b, stored_b + st
-                    ctx_t, kept_t = ctx_t + n_ctx * runner.layers, kept_t + kept
+                    ctx_t = ctx_t + n_ctx * runner.layers * runner.kv_heads
+                    kept_t = kept_t + kept
+                    if ids_kind:  # the long-context study's row (its table reads these)
+                        rows[i] = {
+                            "model": args.name,
+                            "setting": study_setting(s),
+                            "id": r["id"],
+                            "task": r["task"],
+                            "family": r.get("family"),
+                            "question_index": 0,
+                            "prediction": pred,
+                            "answers": r["answers"],
+                            "correct": contains_all(pred, r["answers"]),
+                            "tokens": n_ctx - 1,
+                            "kv_bytes": st,
+                            "baseline_bytes": b,
+                        }
+                        continue
                     rows[i] = {
                         "id": r["id"],
                         "task": r["task"],
@@ -419,7 +530,7 @@ def run_presses(args) -> None:
                     }
             rows = [rows[i] for i in range(len(recs))]
             secs = time.time() - t0
-            jsonl = args.out_dir / f"kvpress_{args.name}_{s.name}.jsonl"
+            jsonl = args.out_dir / _jsonl_name(args.name, s, ids_kind)
             write_jsonl(jsonl, rows)
             hits, n = sum(r["correct"] for r in rows), len(rows)
             ref_hits = ref_dis = ""
@@ -441,7 +552,7 @@ def run_presses(args) -> None:
                     "compression_ratio": f"{s.ratio(runner.head_dim):.4f}",
                     "kv_reduction": f"{base_b / stored_b:.4f}",
                     "kept_fraction": f"{kept_t / ctx_t:.4f}",
-                    "task": tasks[0],
+                    "task": "+".join(tasks),
                     "hits": hits,
                     "n": n,
                     "recall": f"{acc:.4f}",

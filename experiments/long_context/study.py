@@ -8,6 +8,7 @@ same held-out prompts, one uncompressed prefill per context (unicache_train.eval
     python experiments/long_context/study.py finetune --arm compress --seed 0   # the claim's arm
     python experiments/long_context/study.py finetune --arm control --seed 0    # its control
     python experiments/long_context/study.py run --model runs/long_context/compress_seed0/export
+    python experiments/long_context/study.py kvpress-prompts   # token ids for the kvpress harness
 
 Every figure of the table recomputes from raw/*.jsonl (``table`` reads nothing else).
 """
@@ -208,6 +209,36 @@ def run(study: dict, only: list[str] | None, model_dir=None, label=None) -> None
         write_predictions(r.rows, raw / f"{label_}_{name}.jsonl", model=label_, setting=name)
         print(f"{name}: {r.hits}/{r.n} = {r.accuracy:.3f}, {r.kv_reduction:.2f}x", flush=True)
     print(json.dumps({**timing, "settings": len(settings), "prompts": len(recs)}))
+
+
+def kvpress_prompts(study: dict, out: Path) -> None:
+    """The evaluation prompts as token ids, for the kvpress harness's venv (which runs without
+    our package): per record ``context_ids`` (``[bos] + context``), ``question_ids``,
+    ``answers`` and ``max_new``, exactly what :func:`~unicache_train.eval.long_context.
+    run_long_context` feeds and generates in the query-agnostic mode, so a no-press row there
+    must reproduce our uncompressed row token for token."""
+    from unicache_train.checkpoint.gguf import KNOWN, fetch
+    from unicache_train.data.tokenizer import load_tokenizer
+    from unicache_train.eval.long_context import ANSWER_MARGIN
+
+    name = str(study["checkpoint"])
+    tok = load_tokenizer(str(fetch(name) if name in KNOWN else Path(name)))
+    ev = study["eval"]
+    recs = records(study, tok, "eval", int(ev["n"]), int(ev["seed"]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _atomic(out) as f:
+        for r in recs:
+            row = {
+                "id": r["id"],
+                "task": r["task"],
+                "family": r["family"],
+                "context_ids": tok.encode(r["context"], add_bos=True),
+                "question_ids": tok.encode(r["question"]),
+                "answers": list(r["answers"]),
+                "max_new": len(tok.encode(" " + ", ".join(r["answers"]))) + ANSWER_MARGIN,
+            }
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(recs)} prompts as token ids to {out}")
 
 
 def run_label(study: dict, arm: str, seed: int, data_seed: int | None = None) -> str:
@@ -411,17 +442,35 @@ def table(study: dict) -> None:
     for model in models:
         for red in study["reductions"]:
             a = cells.get((model, f"attention@{red}"))
-            for m in anchors:
-                b = cells.get((model, f"{m}@{red}"))
+            # ours (study.yaml methods) and kvpress's presses (experiments/kvpress harness)
+            names = [f"{m}@{red}" for m in anchors] + sorted(
+                n
+                for m, n in cells
+                if m == model and n.startswith("kvpress_") and n.endswith(f"@{red}")
+            )
+            for name in names:
+                b = cells.get((model, name))
                 if a and b:
                     tests.append(
                         {
                             "comparison": "scorer vs anchor",
                             "a": f"{model} attention@{red}",
-                            "b": f"{model} {m}@{red}",
+                            "b": f"{model} {name}",
                             **_test(a, b),
                         }
                     )
+        ours, theirs = cells.get((model, "none")), cells.get((model, "kvpress_none"))
+        if ours and theirs:  # the sanity row: kvpress's harness reproduces our uncompressed row
+            same = {r["id"]: r["prediction"] for r in ours}
+            tests.append(
+                {
+                    "comparison": "sanity: kvpress no-press vs ours",
+                    "a": f"{model} kvpress_none",
+                    "b": f"{model} none",
+                    **_test(theirs, ours),
+                    "predictions_differ": sum(same[r["id"]] != r["prediction"] for r in theirs),
+                }
+            )
     for model in models:
         if model == "base":
             continue
@@ -441,8 +490,9 @@ def table(study: dict) -> None:
                     )
     tests += _pooled_tests(cells)
     if tests:
+        fields = list(dict.fromkeys(k for t in tests for k in t))
         with _atomic(HERE / "tests.csv") as f:
-            w = csv.DictWriter(f, fieldnames=list(tests[0]))
+            w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
             w.writerows(tests)
     for r in out:
@@ -453,7 +503,11 @@ def table(study: dict) -> None:
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["fit-scorer", "calibrate", "run", "table", "finetune"])
+    ap.add_argument(
+        "command",
+        choices=["fit-scorer", "calibrate", "run", "table", "finetune", "kvpress-prompts"],
+    )
+    ap.add_argument("--out", type=Path, help="kvpress-prompts: the JSONL to write")
     ap.add_argument("--arm", default="compress")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -474,6 +528,8 @@ def main(argv: list[str]) -> None:
         run(study, args.only, args.model, args.label)
     elif args.command == "finetune":
         finetune(study, args.arm, args.seed, args.data_seed)
+    elif args.command == "kvpress-prompts":
+        kvpress_prompts(study, args.out or Path("runs/long_context/kvpress_prompts.jsonl"))
     else:
         table(study)
 
