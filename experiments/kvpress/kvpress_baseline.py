@@ -435,6 +435,19 @@ def length_batches(enc: list[tuple[list[int], list[int], int]], size: int) -> li
     return [g[s : s + size] for g in groups.values() for s in range(0, len(g), size)]
 
 
+def _progress(batches: list[list[int]], desc: str):
+    """A progress bar over the prompts of one row (tqdm, which transformers brings), on stderr."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with transformers
+        yield from batches
+        return
+    with tqdm(total=sum(map(len, batches)), desc=desc, unit="prompt", leave=False) as bar:
+        for idx in batches:
+            yield idx
+            bar.update(len(idx))
+
+
 def _jsonl_name(model: str, s: Setting, ids_kind: bool) -> str:
     """Per-prompt file of a row: ``kvpress_<model>_<setting>.jsonl``; for token-id prompts the
     long-context study's ``<model>_<study setting>.jsonl`` (its ``raw/`` layout)."""
@@ -490,7 +503,7 @@ def run_presses(args) -> None:
             t0, base_b, stored_b, ctx_t, kept_t, rows = time.time(), 0, 0, 0, 0, {}
             # Head-wise masked presses (KVzip) score one prompt at a time.
             todo = [[i] for b in batches for i in b] if s.press in MASKED_PRESSES else batches
-            for idx in todo:
+            for idx in _progress(todo, f"{args.name} {s.name}"):
                 preds, kept = runner.answer(
                     [enc[i][0] for i in idx],
                     [enc[i][1] for i in idx],
