@@ -59,8 +59,21 @@ import torch
 
 EVAL_SEED_FLOOR = 1_000_000  # unicache_train.data.recall_mix.EVAL_SEED_FLOOR
 SCALE_BYTES = 2  # one fp16 scale per (token, KV head) vector
-PRESSES = ("StreamingLLM", "SnapKV", "Knorm", "ExpectedAttention", "TOVA", "KeyDiff", "KVzip")
-MASKED_PRESSES = ("KVzip",)  # evict by head-wise masks, batch size 1 (kvpress's KVzipPress)
+PRESSES = (
+    "StreamingLLM",
+    "SnapKV",
+    "Knorm",
+    "ExpectedAttention",
+    "TOVA",
+    "KeyDiff",
+    "KVzip",
+    "KVzipLayerwise",
+)
+# Evict by head-wise masks, batch size 1 (kvpress's KVzipPress). KVzipLayerwise is KVzipPress with
+# layerwise=True: the same scores, the same fraction evicted in every layer (head-wise within the
+# layer) instead of one budget shared by all layers and heads: the ablation that tells whether the
+# cross-layer budget is what keeps the needle.
+MASKED_PRESSES = ("KVzip", "KVzipLayerwise")
 CSV_COLUMNS = (
     "model",
     "weights",
@@ -293,8 +306,10 @@ class PressRunner:
     def make_press(self, s: Setting):
         import kvpress
 
-        if s.press == "KVzip":
+        if s.press in ("KVzip", "KVzipLayerwise"):
             self._kvzip_tokenizer()
+        if s.press == "KVzipLayerwise":
+            return kvpress.KVzipPress(compression_ratio=s.ratio(self.head_dim), layerwise=True)
         return getattr(kvpress, f"{s.press}Press")(compression_ratio=s.ratio(self.head_dim))
 
     def _kvzip_tokenizer(self) -> None:

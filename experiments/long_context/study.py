@@ -9,6 +9,7 @@ same held-out prompts, one uncompressed prefill per context (unicache_train.eval
     python experiments/long_context/study.py finetune --arm control --seed 0    # its control
     python experiments/long_context/study.py run --model runs/long_context/compress_seed0/export
     python experiments/long_context/study.py kvpress-prompts   # token ids for the kvpress harness
+    python experiments/long_context/study.py perplexity   # raw/ppl/<model>_<setting>.jsonl
 
 Every figure of the table recomputes from raw/*.jsonl (``table`` reads nothing else).
 """
@@ -19,6 +20,7 @@ import argparse
 import contextlib
 import csv
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -173,7 +175,16 @@ def calibrate(study: dict) -> None:
     (HERE / "calibration.json").write_text(json.dumps(out, indent=2) + "\n")
 
 
-def run(study: dict, only: list[str] | None, model_dir=None, label=None) -> None:
+def _mode_prefix(setting: str) -> str:
+    """``"aware:"`` of ``"aware:snapkv@16"``; ``""`` for the primary (query-agnostic) mode."""
+    return setting.split(":", 1)[0] + ":" if ":" in setting else ""
+
+
+def run(
+    study: dict, only: list[str] | None, model_dir=None, label=None, mode: str = "agnostic"
+) -> None:
+    """Every setting on the held-out prompts (raw/<model>_<setting>.jsonl); a mode other than
+    the primary ``agnostic`` prefixes its settings (``aware:snapkv@16``, ``questions:none``)."""
     from unicache_train.eval.long_context import run_long_context
     from unicache_train.eval.recall import write_predictions
 
@@ -183,13 +194,8 @@ def run(study: dict, only: list[str] | None, model_dir=None, label=None) -> None
         study = {**study, "checkpoint": str(model_dir)}
         name = label or Path(model_dir).parent.name
     model, tok = model_and_tokenizer(study)
-    cal = json.loads((HERE / "calibration.json").read_text())
     scorer = read_scorer(model) if "attention" in study["methods"] else None
-    settings = {"none": compressor("none", 0.0), "int4": compressor("int4", 0.0)}
-    for method in study["methods"]:
-        for red in study["reductions"]:
-            key = f"{method}@{red}"
-            settings[key] = compressor(method, cal[key]["rate"], scorer)
+    settings = _settings(study, scorer)
     if only:
         settings = {k: v for k, v in settings.items() if k in only}
     ev = study["eval"]
@@ -200,15 +206,132 @@ def run(study: dict, only: list[str] | None, model_dir=None, label=None) -> None
         tok,
         recs,
         settings,
+        mode=mode,
         batch_size=int(study["batch_size"]),
         on_batch=lambda d, n: print(f"[{time.time() - t0:.0f}s] batch {d}/{n}", flush=True),
     )
     raw = HERE / "raw"
     label_ = name
+    prefix = "" if mode == "agnostic" else f"{mode}:"
+    res = {prefix + k: v for k, v in res.items()}
     for name, r in res.items():
         write_predictions(r.rows, raw / f"{label_}_{name}.jsonl", model=label_, setting=name)
         print(f"{name}: {r.hits}/{r.n} = {r.accuracy:.3f}, {r.kv_reduction:.2f}x", flush=True)
     print(json.dumps({**timing, "settings": len(settings), "prompts": len(recs)}))
+
+
+def _settings(study: dict, scorer) -> dict:
+    """Every setting of the study: none, int4, and each method at each reduction (its rate
+    from calibration.json)."""
+    cal = json.loads((HERE / "calibration.json").read_text())
+    settings = {"none": compressor("none", 0.0), "int4": compressor("int4", 0.0)}
+    for method in study["methods"]:
+        for red in study["reductions"]:
+            key = f"{method}@{red}"
+            settings[key] = compressor(method, cal[key]["rate"], scorer)
+    return settings
+
+
+def perplexity(study: dict, only: list[str] | None, model_dir=None, label=None) -> None:
+    """Held-out perplexity at each setting: windows of the evaluation haystack's prose (the
+    King James Bible, evaluation seeds), the first ``length - scored`` tokens compressed
+    query-agnostically, the last ``scored`` teacher-forced on the compressed cache
+    (unicache_train.eval.long_context.continuation_nll). raw/ppl/<model>_<setting>.jsonl."""
+    from unicache_train.data.long_context import prose_windows
+    from unicache_train.eval.long_context import continuation_nll
+
+    name = "base"
+    if model_dir is not None:
+        study = {**study, "checkpoint": str(model_dir)}
+        name = label or Path(model_dir).parent.name
+    model, tok = model_and_tokenizer(study)
+    scorer = read_scorer(model) if "attention" in study["methods"] else None
+    settings = _settings(study, scorer)
+    if only:
+        settings = {k: v for k, v in settings.items() if k in only}
+    cfg = study["perplexity"]
+    length, scored = int(study["length"]), int(cfg["scored"])
+    wins = prose_windows(tok, int(cfg["n"]), length, int(cfg["seed"]), split="eval")
+    t0 = time.time()
+    res = continuation_nll(
+        model,
+        [w["ids"] for w in wins],
+        length - scored,
+        settings,
+        ids=[w["id"] for w in wins],
+        batch_size=int(study["batch_size"]),
+        progress=True,
+    )
+    raw = HERE / "raw" / "ppl"
+    raw.mkdir(parents=True, exist_ok=True)
+    for setting, rows in res.items():
+        with _atomic(raw / f"{name}_{setting}.jsonl") as f:
+            for r in rows:
+                f.write(json.dumps({"model": name, "setting": setting, **r}) + "\n")
+        nll, n = sum(r["nll"] for r in rows), sum(r["tokens"] for r in rows)
+        red = sum(r["baseline_bytes"] for r in rows) / sum(r["kv_bytes"] for r in rows)
+        print(f"{setting}: ppl {math.exp(nll / n):.3f}, {red:.2f}x", flush=True)
+    print(json.dumps({"seconds": round(time.time() - t0, 1), "windows": len(wins)}))
+
+
+def ppl_table(study: dict) -> list[dict]:
+    """ppl.csv from raw/ppl/*.jsonl: per model and setting the perplexity of the scored tokens,
+    its change against the same model uncompressed on the same windows, and the paired
+    bootstrap 95% interval of that change (resampling windows)."""
+    from unicache_train.eval.stats import paired_bootstrap_ppl
+
+    raw = HERE / "raw" / "ppl"
+    cells = {}
+    for path in sorted(raw.glob("*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        if rows:
+            cells[(rows[0]["model"], rows[0]["setting"])] = rows
+    out = []
+    for (model, setting), rows in cells.items():
+        none = cells.get((model, "none"))
+        if not none:
+            continue
+        ref = {r["id"]: r for r in none}
+        t = paired_bootstrap_ppl(
+            [ref[r["id"]]["nll"] for r in rows],
+            [r["nll"] for r in rows],
+            [r["tokens"] for r in rows],
+        )
+        red = sum(r["baseline_bytes"] for r in rows) / sum(r["kv_bytes"] for r in rows)
+        out.append(
+            {
+                "model": model,
+                "setting": setting,
+                "kv_reduction": round(red, 3),
+                "windows": len(rows),
+                "tokens": sum(r["tokens"] for r in rows),
+                "ppl": round(t.ppl_b, 4),
+                "ppl_uncompressed": round(t.ppl_a, 4),
+                "change": round(t.change, 4),
+                "change_lo": round(t.lo, 4),
+                "change_hi": round(t.hi, 4),
+                # the target (perplexity within 5%): met if the whole interval is, missed if
+                # none of it is, otherwise the 5% line is inside the noise
+                "within_5pct": "met" if t.hi <= 0.05 else "missed" if t.lo > 0.05 else "noise",
+            }
+        )
+    order = {"none": 0, "int4": 1}
+    out.sort(
+        key=lambda r: (
+            r["model"] != "base",
+            r["model"],
+            _mode_prefix(r["setting"]),
+            order.get(r["setting"].split(":")[-1], 2),
+            float(r["kv_reduction"]),
+            r["setting"],
+        )
+    )
+    if out:
+        with _atomic(HERE / "ppl.csv") as f:
+            w = csv.DictWriter(f, fieldnames=list(out[0]))
+            w.writeheader()
+            w.writerows(out)
+    return out
 
 
 def kvpress_prompts(study: dict, out: Path) -> None:
@@ -315,8 +438,11 @@ def _cells(raw: Path) -> dict[tuple[str, str], list[dict]]:
 def _test(a: list[dict], b: list[dict]) -> dict:
     from unicache_train.eval.stats import mcnemar_exact
 
-    bid = {r["id"]: r["correct"] for r in b}
-    t = mcnemar_exact([r["correct"] for r in a], [bid[r["id"]] for r in a])
+    def key(r):  # a prompt; in the several-questions mode a (context, question) pair
+        return r["id"], r.get("question_index", 0)
+
+    bid = {key(r): r["correct"] for r in b}
+    t = mcnemar_exact([r["correct"] for r in a], [bid[key(r)] for r in a])
     return {
         "n": t.n,
         "hits_a": t.a_hits,
@@ -397,7 +523,7 @@ def table(study: dict) -> None:
     fams = study["families"]
     out = []
     for (model, name), rows in cells.items():
-        none = cells.get((model, "none"), [])
+        none = cells.get((model, _mode_prefix(name) + "none"), [])
         kv = sum(r["kv_bytes"] for r in rows)
         base = sum(r["baseline_bytes"] for r in rows)
         hits = sum(r["correct"] for r in rows)
@@ -427,7 +553,8 @@ def table(study: dict) -> None:
         key=lambda r: (
             r["model"] != "base",
             r["model"],
-            order.get(r["setting"], 2),
+            _mode_prefix(r["setting"]),
+            order.get(r["setting"].split(":")[-1], 2),
             float(r["kv_reduction"]),
             r["setting"],
         )
@@ -439,14 +566,15 @@ def table(study: dict) -> None:
     tests = []
     anchors = [m for m in study["methods"] if m != "attention"]
     models = sorted({m for m, _ in cells})
-    for model in models:
+    modes = sorted({_mode_prefix(n) for _, n in cells})
+    for model, mode in ((m, p) for m in models for p in modes):
         for red in study["reductions"]:
-            a = cells.get((model, f"attention@{red}"))
+            a = cells.get((model, f"{mode}attention@{red}"))
             # ours (study.yaml methods) and kvpress's presses (experiments/kvpress harness)
-            names = [f"{m}@{red}" for m in anchors] + sorted(
+            names = [f"{mode}{m}@{red}" for m in anchors] + sorted(
                 n
                 for m, n in cells
-                if m == model and n.startswith("kvpress_") and n.endswith(f"@{red}")
+                if m == model and n.startswith(f"{mode}kvpress_") and n.endswith(f"@{red}")
             )
             for name in names:
                 b = cells.get((model, name))
@@ -454,11 +582,12 @@ def table(study: dict) -> None:
                     tests.append(
                         {
                             "comparison": "scorer vs anchor",
-                            "a": f"{model} attention@{red}",
+                            "a": f"{model} {mode}attention@{red}",
                             "b": f"{model} {name}",
                             **_test(a, b),
                         }
                     )
+    for model in models:
         ours, theirs = cells.get((model, "none")), cells.get((model, "kvpress_none"))
         if ours and theirs:  # the sanity row: kvpress's harness reproduces our uncompressed row
             same = {r["id"]: r["prediction"] for r in ours}
@@ -489,6 +618,8 @@ def table(study: dict) -> None:
                         }
                     )
     tests += _pooled_tests(cells)
+    for r in ppl_table(study):
+        print(r)
     if tests:
         fields = list(dict.fromkeys(k for t in tests for k in t))
         with _atomic(HERE / "tests.csv") as f:
@@ -505,7 +636,15 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "command",
-        choices=["fit-scorer", "calibrate", "run", "table", "finetune", "kvpress-prompts"],
+        choices=[
+            "fit-scorer",
+            "calibrate",
+            "run",
+            "table",
+            "finetune",
+            "kvpress-prompts",
+            "perplexity",
+        ],
     )
     ap.add_argument("--out", type=Path, help="kvpress-prompts: the JSONL to write")
     ap.add_argument("--arm", default="compress")
@@ -513,10 +652,17 @@ def main(argv: list[str]) -> None:
     ap.add_argument(
         "--data-seed", type=int, help="finetune: the data order (default: finetune.data_seed)"
     )
-    ap.add_argument("--model", help="run: evaluate this export instead of the base")
-    ap.add_argument("--label", help="run: the model's label in raw/ (default: its folder)")
+    ap.add_argument("--model", help="run, perplexity: evaluate this export instead of the base")
+    ap.add_argument("--label", help="run, perplexity: the model's label (default: its folder)")
+    ap.add_argument(
+        "--mode",
+        default="agnostic",
+        choices=["agnostic", "questions", "aware"],
+        help="run: query-agnostic (primary), several questions on one compressed context, or "
+        "query-aware (the question in the compressed prefill)",
+    )
     ap.add_argument("--config", type=Path, default=HERE / "study.yaml")
-    ap.add_argument("--only", nargs="*", help="run: these settings only")
+    ap.add_argument("--only", nargs="*", help="run, perplexity: these settings only")
     args = ap.parse_args(argv)
     study = load_study(args.config)
     torch.set_num_threads(int(study.get("threads", 2)))
@@ -525,9 +671,11 @@ def main(argv: list[str]) -> None:
     elif args.command == "calibrate":
         calibrate(study)
     elif args.command == "run":
-        run(study, args.only, args.model, args.label)
+        run(study, args.only, args.model, args.label, args.mode)
     elif args.command == "finetune":
         finetune(study, args.arm, args.seed, args.data_seed)
+    elif args.command == "perplexity":
+        perplexity(study, args.only, args.model, args.label)
     elif args.command == "kvpress-prompts":
         kvpress_prompts(study, args.out or Path("runs/long_context/kvpress_prompts.jsonl"))
     else:

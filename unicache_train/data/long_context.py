@@ -62,6 +62,7 @@ __all__ = [
     "haystack_documents",
     "long_context_records",
     "overlap_report",
+    "prose_windows",
     "score_prediction",
     "write_long_context_mix",
 ]
@@ -443,6 +444,48 @@ def long_context_records(
             tokens=len(tokenizer.encode(rec["context"])),
         )
         out.append(rec)
+    return out
+
+
+def prose_windows(tokenizer, n: int, tokens: int, seed: int, split: str = "eval") -> list[dict]:
+    """``n`` windows of ``split``'s haystack prose, exactly ``tokens`` ids each (``[bos] +``
+    consecutive sentences from a seeded document start, cut to length): the held-out text of the
+    perplexity-under-compression rows. Window ``i`` depends only on ``(tokens, split, seed, i)``
+    and the tokenizer.
+
+    Returns:
+        Dicts with ``id`` (``"prose@<tokens>/<split>/<seed>/<i>"``), ``ids``, ``split``,
+        ``source``, ``seed``.
+
+    Raises:
+        ConfigError: ``n < 1``, ``tokens < 2``, a seed of the other split, an unknown split.
+    """
+    if n < 1:
+        raise ConfigError(f"prose_windows: n={n} is out of range; allowed >= 1")
+    if tokens < 2:
+        raise ConfigError(f"prose_windows: tokens={tokens} is out of range; allowed >= 2")
+    _check_seed(split, seed)
+    filler = _filler(tokenizer, split)
+    out = []
+    for i in range(n):
+        rng = random.Random(f"prose|{tokens}|{split}|{seed}|{i}")
+        budget = tokens + 64
+        while True:
+            state = rng.getstate()
+            ids = tokenizer.encode("".join(_haystack(filler, rng, budget)), add_bos=True)
+            if len(ids) >= tokens:
+                break
+            rng.setstate(state)  # the same start, a longer run of sentences
+            budget *= 2
+        out.append(
+            {
+                "id": f"prose@{tokens}/{split}/{seed}/{i}",
+                "ids": ids[:tokens],
+                "split": split,
+                "source": SOURCES[split],
+                "seed": seed,
+            }
+        )
     return out
 
 

@@ -30,6 +30,12 @@ continuation (``max_new`` tokens: the answers' length plus a margin), scored by
 :func:`~unicache_train.data.long_context.score_prediction` (every expected value contained,
 case-insensitive). Rows carry the stored and the uncompressed bytes of their own context.
 
+Held-out perplexity under compression (:func:`continuation_nll`): the same shared prefill of a
+window's first ``split`` tokens, each setting's compressed cache, then the window's remaining
+tokens teacher-forced on it in one block; per window the summed NLL of every continuation token
+(the first predicted from the prefill's last position, as in decoding). Equal to the in-loop
+compressed forward's continuation NLL (``tests/test_long_context.py``).
+
 Not supported (clear errors): cross-layer (xKV) and pre-RoPE compressors, sliding-window models.
 """
 
@@ -53,7 +59,14 @@ from unicache_train.seam import (
     uncompressed_kv_bytes,
 )
 
-__all__ = ["MODES", "LongContextResult", "run_long_context", "sample_kv_bytes", "segments_for"]
+__all__ = [
+    "MODES",
+    "LongContextResult",
+    "continuation_nll",
+    "run_long_context",
+    "sample_kv_bytes",
+    "segments_for",
+]
 
 MODES = ("agnostic", "questions", "aware")
 
@@ -373,3 +386,107 @@ def run_long_context(
         res.rows.sort(key=lambda row: (rank[row["id"]], row["question_index"]))
     timing = {"prefill_s": prefill_s, "total_s": time.perf_counter() - t_all}
     return results, timing
+
+
+@torch.no_grad()
+def continuation_nll(
+    model,
+    windows: Sequence[Sequence[int]],
+    split: int,
+    settings: Mapping[str, Any],
+    *,
+    ids: Sequence[str] | None = None,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> dict[str, list[dict[str, Any]]]:
+    """Per window and setting: the NLL of the tokens after ``split`` given the compressed cache
+    of the tokens before it (query-agnostic: nothing after ``split`` is seen by the compressor).
+
+    Args:
+        model: a GQA :class:`~unicache_train.model.Decoder` (eval mode; no sliding windows).
+        windows: token ids, all of one length ``T > split`` (``[bos] +`` text, as the caller
+            encodes it).
+        split: context tokens compressed (``1 <= split < T``); ``T - split`` tokens are scored.
+        settings: name -> compressor (``IdentityCompressor()`` for the uncompressed row), or
+            name -> ``callable(model) -> compressor``.
+        ids: one name per window (default ``"window/<i>"``).
+        batch_size: windows per prefill.
+        progress: a progress bar over batches.
+
+    Returns:
+        ``{setting: rows}``, one row per window in input order: ``id``, ``nll`` (nats, summed),
+        ``tokens`` (scored), ``kv_bytes``, ``baseline_bytes``.
+
+    Raises:
+        ValueError: windows of different lengths, ``split`` out of range, ``ids`` of another
+            length, ``batch_size < 1``.
+    """
+    if not windows:
+        raise ValueError("windows is empty; pass at least one window of token ids")
+    T = len(windows[0])
+    if any(len(w) != T for w in windows):
+        raise ValueError(
+            f"windows have lengths {sorted({len(w) for w in windows})}; all must have one length"
+        )
+    if not 1 <= split < T:
+        raise ValueError(f"split={split} is out of range; allowed 1 <= split < {T} (window length)")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} is out of range; allowed >= 1")
+    names = list(ids) if ids is not None else [f"window/{i}" for i in range(len(windows))]
+    if len(names) != len(windows):
+        raise ValueError(f"ids has {len(names)} entries for {len(windows)} windows")
+    comps = {}
+    for name, s in settings.items():
+        comp = s if hasattr(s, "pre_rope") else s(model)
+        _check(model, comp, name)
+        comps[name] = comp
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    L = model.config.num_hidden_layers
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in comps}
+    starts = list(range(0, len(windows), batch_size))
+    bar: Any = starts
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(starts, desc="continuation NLL", leave=False)
+    for s0 in bar:
+        rows = list(range(s0, min(s0 + batch_size, len(windows))))
+        full = torch.tensor([list(windows[i]) for i in rows], dtype=torch.long, device=device)
+        B = full.shape[0]
+        ctx, cont = full[:, :split], full[:, split:]
+        sp = torch.full((B,), split, dtype=torch.long, device=device)
+        capture = RecordingCompressor()
+        first = model(ctx, split=sp, compressor=capture, logits_at=(sp - 1)[:, None]).logits
+        for name, comp in comps.items():
+            segs = segments_for(capture.inputs, comp)
+            kv, base = sample_kv_bytes(segs)
+            cache = CompressedKVCache(L)
+            for layer_idx, seg in segs.items():
+                cache.set_segment(layer_idx, seg, dtype=dtype)
+            logits = first[:, :1]
+            if cont.shape[1] > 1:
+                pos = split + torch.arange(cont.shape[1] - 1, device=device)
+                block = model(
+                    cont[:, :-1],
+                    positions=pos[None].expand(B, -1),
+                    modality_ids=torch.zeros_like(cont[:, :-1]),
+                    cache=cache,
+                ).logits
+                logits = torch.cat([logits, block], 1)
+            logits = logits.float()  # [B, T - split, V]
+            nll = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), cont.flatten(), reduction="none"
+            ).view(B, -1)
+            for b, i in enumerate(rows):
+                out[name].append(
+                    {
+                        "id": names[i],
+                        "nll": float(nll[b].sum()),
+                        "tokens": int(cont.shape[1]),
+                        "kv_bytes": kv[b],
+                        "baseline_bytes": base[b],
+                    }
+                )
+        del capture
+    return out
