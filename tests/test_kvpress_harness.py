@@ -116,6 +116,11 @@ def test_token_id_prompts_and_the_study_names(kb, tmp_path) -> None:
         "kvpress_KVzip_16bit@16",
         "kvpress_KVzip_int4@16",
     ]
+    # The cross-layer budget ablation: KVzip's scores, a uniform fraction evicted per layer,
+    # masked head-wise (one prompt at a time) like KVzip itself.
+    lw = kb.build_grid(["KVzipLayerwise"], [16.0], [4], plain=False)[-1]  # after no-press
+    assert kb.study_setting(lw) == "kvpress_KVzipLayerwise_int4@16"
+    assert {"KVzip", "KVzipLayerwise"} <= set(kb.MASKED_PRESSES)
     row = {"id": "a", "task": "t", "context_ids": [1, 2], "question_ids": [3], "answers": ["x"]}
     path = tmp_path / "ids.jsonl"
     path.write_text(json.dumps(row) + "\n")
