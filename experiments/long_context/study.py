@@ -587,6 +587,18 @@ def table(study: dict) -> None:
                             **_test(a, b),
                         }
                     )
+    for model in models:  # what eviction costs on top of the same int4 storage
+        plain = cells.get((model, "int4"))
+        for m2, name in sorted(cells):
+            if plain and m2 == model and name.startswith("kvpress_") and "_int4@" in name:
+                tests.append(
+                    {
+                        "comparison": "anchor vs int4 only",
+                        "a": f"{model} {name}",
+                        "b": f"{model} int4",
+                        **_test(cells[(m2, name)], plain),
+                    }
+                )
     for model in models:
         ours, theirs = cells.get((model, "none")), cells.get((model, "kvpress_none"))
         if ours and theirs:  # the sanity row: kvpress's harness reproduces our uncompressed row
