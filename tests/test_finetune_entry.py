@@ -256,3 +256,23 @@ def test_cli_finetune_bad_spec_is_one_line(tmp_path, capsys):
             main(argv)
         err = capsys.readouterr().err
         assert stop.value.code == 2 and err.startswith("error: ") and message in err
+
+
+def test_the_long_context_demo_is_the_studys_spec_made_short(tmp_path):
+    """make demo's fine-tunes: the study's seed-0 spec of each arm with the demo's steps, the ramp
+    over the first half, warmup and checkpoint within the run; nothing else changed."""
+    study_py = _study_module()
+    study = study_py.load_study(ROOT / "experiments" / "long_context" / "study.yaml")
+    for arm in ("compress", "control"):
+        full = study_py.finetune_spec(study, arm, 0).to_dict()
+        short = study_py.demo_spec(study, arm, 12, tmp_path).to_dict()
+        assert short["steps"] == 12 and short["out_dir"] == str(tmp_path / arm)
+        assert short["run"]["train"]["checkpoint_every_n_steps"] == 12
+        assert short["run"]["train"]["warmup_steps"] == 10
+        ramp = short["compress"].get("curriculum_steps")
+        assert ramp == (6 if arm == "compress" else full["compress"].get("curriculum_steps"))
+        for key in ("checkpoint", "seed", "data_seed", "mix"):
+            assert short[key] == full[key], key
+        changed = {"steps", "out_dir", "compress", "run"}
+        assert {k for k in full if full[k] != short[k]} <= changed
+    assert study_py.demo_spec(study, "control", 3, tmp_path).run["train"]["warmup_steps"] == 3

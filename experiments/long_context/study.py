@@ -10,6 +10,7 @@ same held-out prompts, one uncompressed prefill per context (unicache_train.eval
     python experiments/long_context/study.py run --model runs/long_context/compress_seed0/export
     python experiments/long_context/study.py kvpress-prompts   # token ids for the kvpress harness
     python experiments/long_context/study.py perplexity   # raw/ppl/<model>_<setting>.jsonl
+    python experiments/long_context/study.py demo         # make demo: the short, labelled table
 
 Every figure of the table recomputes from raw/*.jsonl (``table`` reads nothing else).
 """
@@ -426,6 +427,126 @@ def finetune(study: dict, arm: str, seed: int, data_seed: int | None = None) -> 
     print(f"{arm} seed {seed}: {result.steps} steps in {result.seconds:.0f}s -> {result.out_dir}")
 
 
+#: The demo's settings: the uncompressed row, int4 storage alone, the best of our training-free
+#: selections at 16x, and the learned scorer at 8x and 16x (the claim's setting).
+DEMO_SETTINGS = ("none", "int4", "sinks_recent@16", "attention@8", "attention@16")
+
+
+def demo_spec(study: dict, arm: str, steps: int, out: Path):
+    """The demo's fine-tune of ``arm``: the study's seed-0 spec (:func:`finetune_spec`) with
+    ``steps`` steps, its folder under ``out``, the keep ratio ramped over the first half (the
+    study: 30 of 60), warmup and the checkpoint within the run."""
+    from unicache_train.train.finetune import FinetuneSpec
+
+    d = finetune_spec(study, arm, 0).to_dict()
+    d["steps"] = steps
+    d["out_dir"] = str(out / arm)
+    if arm == "compress":
+        d["compress"]["curriculum_steps"] = max(1, steps // 2)
+    train = d["run"]["train"]
+    train["checkpoint_every_n_steps"] = steps
+    train["warmup_steps"] = min(int(train["warmup_steps"]), steps)
+    return FinetuneSpec.from_dict(d)
+
+
+def demo(study: dict, out: Path, steps: int, n: int) -> list[dict]:
+    """The short, labelled version of the study's table (``make demo``, ~15 minutes on 2 cores):
+    the base, a compression-aware fine-tune and its control (``steps`` steps each instead of the
+    study's 60, the same spec otherwise), each on the first ``n`` held-out prompts per family
+    (a subset of the study's 200) at :data:`DEMO_SETTINGS`. Writes ``<out>/raw/*.jsonl`` (per
+    prompt), ``<out>/demo.csv`` and prints the table with Wilson intervals and the claim's
+    McNemar test (at this size, expect it inside the noise: the study's figures are the record).
+    """
+    from unicache_train.eval.long_context import run_long_context
+    from unicache_train.eval.recall import write_predictions
+    from unicache_train.eval.stats import mcnemar_exact, wilson_interval
+    from unicache_train.train.finetune import finetune as run_finetune
+    from unicache_train.validation import ConfigError
+
+    if steps < 1:
+        raise ConfigError(f"demo --steps={steps} is out of range; allowed >= 1")
+    if n < 1:
+        raise ConfigError(f"demo --n={n} is out of range; allowed >= 1 (prompts per family)")
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+
+    def evaluate(label: str, model_dir: Path | None) -> dict[str, list[dict]]:
+        st = study if model_dir is None else {**study, "checkpoint": str(model_dir)}
+        model, tok = model_and_tokenizer(st)
+        settings = _settings(study, read_scorer(model))
+        settings = {k: settings[k] for k in DEMO_SETTINGS}
+        recs = records(study, tok, "eval", n, int(study["eval"]["seed"]))
+        print(
+            f"[demo] {label}: {len(recs)} held-out prompts x {len(settings)} settings", flush=True
+        )
+        res, _ = run_long_context(
+            model, tok, recs, settings, batch_size=int(study["batch_size"]), progress=True
+        )
+        for name, r in res.items():
+            write_predictions(r.rows, raw / f"{label}_{name}.jsonl", model=label, setting=name)
+        return {name: r.rows for name, r in res.items()}
+
+    t0 = time.time()
+    cells = {"base": evaluate("base", None)}
+    for arm in ("compress", "control"):
+        print(f"[demo] fine-tune, {arm} arm: {steps} steps", flush=True)
+        result = run_finetune(demo_spec(study, arm, steps, out))
+        cells[arm] = evaluate(arm, result.export_dir)
+    rows = []
+    for model, by_setting in cells.items():
+        for name in DEMO_SETTINGS:
+            rs = by_setting[name]
+            hits = sum(r["correct"] for r in rs)
+            lo, hi = wilson_interval(hits, len(rs))
+            kv = sum(r["kv_bytes"] for r in rs)
+            rows.append(
+                {
+                    "model": model,
+                    "setting": name,
+                    "kv_reduction": round(sum(r["baseline_bytes"] for r in rs) / kv, 2),
+                    "hits": hits,
+                    "n": len(rs),
+                    "accuracy": round(hits / len(rs), 3),
+                    "wilson_lo": round(lo, 3),
+                    "wilson_hi": round(hi, 3),
+                }
+            )
+    with _atomic(out / "demo.csv") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    labels = {
+        "none": "uncompressed",
+        "int4": "int4 only",
+        "sinks_recent@16": "sinks + recent @16x",
+        "attention@8": "learned scorer @8x",
+        "attention@16": "learned scorer @16x",
+    }
+    arms = {"base": "base", "compress": "compression-aware FT", "control": "control FT"}
+    print(
+        f"\nLong-context demo: SmolLM2-135M, {n} held-out prompts per needle family "
+        f"({4 * n} a cell), 1024 tokens, query-agnostic, {steps} fine-tune steps per arm "
+        f"(the study: 200 prompts, 60 steps, two seeds; experiments/long_context)\n"
+    )
+    print("| setting | " + " | ".join(arms.values()) + " |")
+    print("|---|" + "---|" * len(arms))
+    for name in DEMO_SETTINGS:
+        cols = []
+        for model in arms:
+            r = next(x for x in rows if x["model"] == model and x["setting"] == name)
+            cols.append(f"{r['hits']}/{r['n']} [{r['wilson_lo']:.2f}, {r['wilson_hi']:.2f}]")
+        red = next(x for x in rows if x["setting"] == name)["kv_reduction"]
+        print(f"| {labels[name]} ({red:.1f}x) | " + " | ".join(cols) + " |")
+    a, b = cells["compress"]["attention@16"], cells["control"]["attention@16"]
+    t = mcnemar_exact([r["correct"] for r in a], [r["correct"] for r in b])
+    print(
+        f"\nThe claim at this size (compress vs control, scorer @16x, exact McNemar): "
+        f"{t.a_hits} vs {t.b_hits} of {t.n}, p = {t.p_value:.2g}. "
+        f"{time.time() - t0:.0f} s; per prompt: {raw}, table: {out / 'demo.csv'}"
+    )
+    return rows
+
+
 def _cells(raw: Path) -> dict[tuple[str, str], list[dict]]:
     cells = {}
     for path in sorted(raw.glob("*.jsonl")):
@@ -656,9 +777,14 @@ def main(argv: list[str]) -> None:
             "finetune",
             "kvpress-prompts",
             "perplexity",
+            "demo",
         ],
     )
-    ap.add_argument("--out", type=Path, help="kvpress-prompts: the JSONL to write")
+    ap.add_argument(
+        "--out", type=Path, help="kvpress-prompts: the JSONL to write; demo: its folder"
+    )
+    ap.add_argument("--steps", type=int, default=12, help="demo: fine-tune steps per arm")
+    ap.add_argument("--n", type=int, default=8, help="demo: held-out prompts per family")
     ap.add_argument("--arm", default="compress")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -686,6 +812,8 @@ def main(argv: list[str]) -> None:
         run(study, args.only, args.model, args.label, args.mode)
     elif args.command == "finetune":
         finetune(study, args.arm, args.seed, args.data_seed)
+    elif args.command == "demo":
+        demo(study, args.out or Path("runs/long_context/demo"), args.steps, args.n)
     elif args.command == "perplexity":
         perplexity(study, args.only, args.model, args.label)
     elif args.command == "kvpress-prompts":
