@@ -190,15 +190,7 @@ def run(
     from unicache_train.eval.recall import write_predictions
 
     torch.set_num_threads(int(study.get("threads", 2)))
-    name = "base"
-    if model_dir is not None:
-        study = {**study, "checkpoint": str(model_dir)}
-        name = label or Path(model_dir).parent.name
-    model, tok = model_and_tokenizer(study)
-    scorer = read_scorer(model) if "attention" in study["methods"] else None
-    settings = _settings(study, scorer)
-    if only:
-        settings = {k: v for k, v in settings.items() if k in only}
+    name, model, tok, settings = _model_and_settings(study, only, model_dir, label)
     ev = study["eval"]
     recs = records(study, tok, "eval", int(ev["n"]), int(ev["seed"]))
     t0 = time.time()
@@ -221,6 +213,34 @@ def run(
     print(json.dumps({**timing, "settings": len(settings), "prompts": len(recs)}))
 
 
+def _row_order(row: dict) -> tuple:
+    """Table order: the base first, then by model, mode, none / int4 / the rest, reduction."""
+    order = {"none": 0, "int4": 1}
+    return (
+        row["model"] != "base",
+        row["model"],
+        _mode_prefix(row["setting"]),
+        order.get(row["setting"].split(":")[-1], 2),
+        float(row["kv_reduction"]),
+        row["setting"],
+    )
+
+
+def _model_and_settings(study: dict, only, model_dir, label):
+    """The model's label (``base``, ``label`` or the export's run folder), the model, its
+    tokenizer and the settings to evaluate (all of :func:`_settings`, or ``only`` these)."""
+    name = "base"
+    if model_dir is not None:
+        study = {**study, "checkpoint": str(model_dir)}
+        name = label or Path(model_dir).parent.name
+    model, tok = model_and_tokenizer(study)
+    scorer = read_scorer(model) if "attention" in study["methods"] else None
+    settings = _settings(study, scorer)
+    if only:
+        settings = {k: v for k, v in settings.items() if k in only}
+    return name, model, tok, settings
+
+
 def _settings(study: dict, scorer) -> dict:
     """Every setting of the study: none, int4, and each method at each reduction (its rate
     from calibration.json)."""
@@ -241,15 +261,7 @@ def perplexity(study: dict, only: list[str] | None, model_dir=None, label=None) 
     from unicache_train.data.long_context import prose_windows
     from unicache_train.eval.long_context import continuation_nll
 
-    name = "base"
-    if model_dir is not None:
-        study = {**study, "checkpoint": str(model_dir)}
-        name = label or Path(model_dir).parent.name
-    model, tok = model_and_tokenizer(study)
-    scorer = read_scorer(model) if "attention" in study["methods"] else None
-    settings = _settings(study, scorer)
-    if only:
-        settings = {k: v for k, v in settings.items() if k in only}
+    name, model, tok, settings = _model_and_settings(study, only, model_dir, label)
     cfg = study["perplexity"]
     length, scored = int(study["length"]), int(cfg["scored"])
     wins = prose_windows(tok, int(cfg["n"]), length, int(cfg["seed"]), split="eval")
@@ -316,17 +328,7 @@ def ppl_table(study: dict) -> list[dict]:
                 "within_5pct": "met" if t.hi <= 0.05 else "missed" if t.lo > 0.05 else "noise",
             }
         )
-    order = {"none": 0, "int4": 1}
-    out.sort(
-        key=lambda r: (
-            r["model"] != "base",
-            r["model"],
-            _mode_prefix(r["setting"]),
-            order.get(r["setting"].split(":")[-1], 2),
-            float(r["kv_reduction"]),
-            r["setting"],
-        )
-    )
+    out.sort(key=_row_order)
     if out:
         with _atomic(HERE / "ppl.csv") as f:
             w = csv.DictWriter(f, fieldnames=list(out[0]))
@@ -669,17 +671,7 @@ def table(study: dict) -> None:
                 "relative_to_uncompressed": round(sum(rel) / len(rel), 4) if rel else "",
             }
         )
-    order = {"none": 0, "int4": 1}
-    out.sort(
-        key=lambda r: (
-            r["model"] != "base",
-            r["model"],
-            _mode_prefix(r["setting"]),
-            order.get(r["setting"].split(":")[-1], 2),
-            float(r["kv_reduction"]),
-            r["setting"],
-        )
-    )
+    out.sort(key=_row_order)
     with _atomic(HERE / "results.csv") as f:
         w = csv.DictWriter(f, fieldnames=list(out[0]))
         w.writeheader()
