@@ -712,6 +712,18 @@ def table(study: dict) -> None:
                         **_test(cells[(m2, name)], plain),
                     }
                 )
+    for m2, name in sorted(cells):  # KVzip's budget over all layers vs the same per layer
+        if "kvpress_KVzipLayerwise_" in name:
+            glob = cells.get((m2, name.replace("KVzipLayerwise", "KVzip")))
+            if glob:
+                tests.append(
+                    {
+                        "comparison": "ablation: one budget for all layers vs per layer",
+                        "a": f"{m2} {name.replace('KVzipLayerwise', 'KVzip')}",
+                        "b": f"{m2} {name}",
+                        **_test(glob, cells[(m2, name)]),
+                    }
+                )
     for model in models:
         ours, theirs = cells.get((model, "none")), cells.get((model, "kvpress_none"))
         if ours and theirs:  # the sanity row: kvpress's harness reproduces our uncompressed row
