@@ -712,6 +712,18 @@ def table(study: dict) -> None:
                         **_test(cells[(m2, name)], plain),
                     }
                 )
+    for m2, name in sorted(cells):  # equal bytes: fewer tokens at int4 vs more at 16 bits
+        if name.startswith("kvpress_") and "_int4@" in name:
+            wide = cells.get((m2, name.replace("_int4@", "_16bit@")))
+            if wide:
+                tests.append(
+                    {
+                        "comparison": "storage at equal bytes: int4 vs 16-bit",
+                        "a": f"{m2} {name}",
+                        "b": f"{m2} {name.replace('_int4@', '_16bit@')}",
+                        **_test(cells[(m2, name)], wide),
+                    }
+                )
     for m2, name in sorted(cells):  # KVzip's budget over all layers vs the same per layer
         if "kvpress_KVzipLayerwise_" in name:
             glob = cells.get((m2, name.replace("KVzipLayerwise", "KVzip")))
