@@ -22,6 +22,7 @@ import contextlib
 import csv
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -451,13 +452,15 @@ def demo_spec(study: dict, arm: str, steps: int, out: Path):
     return FinetuneSpec.from_dict(d)
 
 
-def demo(study: dict, out: Path, steps: int, n: int) -> list[dict]:
-    """The short, labelled version of the study's table (``make demo``, ~15 minutes on 2 cores):
+def demo(study: dict, out: Path, steps: int, n: int, keep_checkpoints: bool = False) -> list[dict]:
+    """The short, labelled version of the study's table (``make demo``, 11 minutes on 2 cores):
     the base, a compression-aware fine-tune and its control (``steps`` steps each instead of the
     study's 60, the same spec otherwise), each on the first ``n`` held-out prompts per family
     (a subset of the study's 200) at :data:`DEMO_SETTINGS`. Writes ``<out>/raw/*.jsonl`` (per
     prompt), ``<out>/demo.csv`` and prints the table with Wilson intervals and the claim's
     McNemar test (at this size, expect it inside the noise: the study's figures are the record).
+    Each arm's Lightning checkpoints (two 1.6 GB files) are removed once its export is written,
+    unless ``keep_checkpoints``: the export is what is evaluated and served.
     """
     from unicache_train.eval.long_context import run_long_context
     from unicache_train.eval.recall import write_predictions
@@ -493,6 +496,9 @@ def demo(study: dict, out: Path, steps: int, n: int) -> list[dict]:
     for arm in ("compress", "control"):
         print(f"[demo] fine-tune, {arm} arm: {steps} steps", flush=True)
         result = run_finetune(demo_spec(study, arm, steps, out))
+        if not keep_checkpoints and result.export_dir is not None and result.export_dir.is_dir():
+            shutil.rmtree(result.checkpoint.parent)
+            print(f"[demo] removed {result.checkpoint.parent} (--keep-checkpoints keeps it)")
         cells[arm] = evaluate(arm, result.export_dir)
     rows = []
     for model, by_setting in cells.items():
@@ -801,6 +807,11 @@ def main(argv: list[str]) -> None:
     )
     ap.add_argument("--steps", type=int, default=12, help="demo: fine-tune steps per arm")
     ap.add_argument("--n", type=int, default=8, help="demo: held-out prompts per family")
+    ap.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="demo: keep each arm's Lightning checkpoints (by default only the export stays)",
+    )
     ap.add_argument("--arm", default="compress")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -829,7 +840,13 @@ def main(argv: list[str]) -> None:
     elif args.command == "finetune":
         finetune(study, args.arm, args.seed, args.data_seed)
     elif args.command == "demo":
-        demo(study, args.out or Path("runs/long_context/demo"), args.steps, args.n)
+        demo(
+            study,
+            args.out or Path("runs/long_context/demo"),
+            args.steps,
+            args.n,
+            keep_checkpoints=args.keep_checkpoints,
+        )
     elif args.command == "perplexity":
         perplexity(study, args.only, args.model, args.label)
     elif args.command == "kvpress-prompts":
