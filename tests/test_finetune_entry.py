@@ -276,3 +276,27 @@ def test_the_long_context_demo_is_the_studys_spec_made_short(tmp_path):
         changed = {"steps", "out_dir", "compress", "run"}
         assert {k for k in full if full[k] != short[k]} <= changed
     assert study_py.demo_spec(study, "control", 3, tmp_path).run["train"]["warmup_steps"] == 3
+
+
+def test_the_long_context_table_clusters_several_questions_by_context():
+    """In the several-questions mode a context's questions share one compressed cache: the
+    table's test is clustered by context. Three contexts where A answers both questions and B
+    neither: 6 discordant pairs (unclustered McNemar p = 2/64), 3 discordant contexts (p = 2/8);
+    a context with one question only is paired on that question."""
+    study_py = _study_module()
+
+    def rows(correct):
+        return [
+            {"id": f"c{i}", "question_index": q, "correct": c}
+            for i, qs in enumerate(correct)
+            for q, c in enumerate(qs)
+        ]
+
+    a = rows([[True, True]] * 3 + [[True, False]] * 2 + [[False]])
+    b = rows([[False, False]] * 3 + [[True, False]] * 2 + [[False]])
+    t = study_py._test(a, b)
+    assert (t["n"], t["hits_a"], t["hits_b"], t["only_a"], t["only_b"]) == (11, 8, 2, 6, 0)
+    assert t["p_mcnemar"] == pytest.approx(2 / 8)
+    one = [{"id": f"c{i}", "correct": r["correct"]} for i, r in enumerate(a)]
+    other = [{"id": f"c{i}", "correct": r["correct"]} for i, r in enumerate(b)]
+    assert study_py._test(one, other)["p_mcnemar"] == pytest.approx(2 / 64)

@@ -565,15 +565,29 @@ def _cells(raw: Path) -> dict[tuple[str, str], list[dict]]:
 
 
 def _test(a: list[dict], b: list[dict]) -> dict:
-    from unicache_train.eval.stats import mcnemar_exact
+    """Exact McNemar on the same prompts; in the several-questions mode (the questions of a
+    context share its compressed cache, so they are not independent pairs) the exact sign-flip
+    test clustered by context, ``n`` then counting (context, question) pairs."""
+    from unicache_train.eval.stats import mcnemar_exact, sign_flip_clustered
 
     def key(r):  # a prompt; in the several-questions mode a (context, question) pair
         return r["id"], r.get("question_index", 0)
 
     bid = {key(r): r["correct"] for r in b}
-    t = mcnemar_exact([r["correct"] for r in a], [bid[key(r)] for r in a])
+    questions = sorted({r.get("question_index", 0) for r in a})
+    if len(questions) > 1:
+        # Contexts carry 1-4 questions: a missing (context, question) is False in both arms,
+        # which adds nothing to a context's difference, its hits or its discordant counts.
+        ids = sorted({r["id"] for r in a})
+        aid = {key(r): r["correct"] for r in a}
+        t = sign_flip_clustered(
+            [[aid.get((i, q), False) for i in ids] for q in questions],
+            [[bid.get((i, q), False) if (i, q) in aid else False for i in ids] for q in questions],
+        )
+    else:
+        t = mcnemar_exact([r["correct"] for r in a], [bid[key(r)] for r in a])
     return {
-        "n": t.n,
+        "n": len(a),
         "hits_a": t.a_hits,
         "hits_b": t.b_hits,
         "only_a": t.only_a,
