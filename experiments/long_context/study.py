@@ -68,12 +68,24 @@ def records(study: dict, tok, split: str, n: int, seed: int) -> list[dict]:
     return out
 
 
+#: Plain int4 with one scale per (sample, head, feature) over the context (KIVI's per-channel
+#: keys, here for K and V alike) or per (sample, head): the scales' granularity alone, against
+#: ``int4``'s one scale per token, head and K/V.
+INT4_SCALES = {"int4_channel": "channel", "int4_head": "head"}
+
+
 def compressor(method: str, rate: float, scorer=None):
     from unicache_train.compress import UniCacheCompressor, presets
     from unicache_train.eval.budget import unicache_at_rate
 
     if method == "int4":
         return UniCacheCompressor(unicache_at_rate(presets.sinks_recent(), 0.0, "int4"))
+    if method in INT4_SCALES:  # plain int4, its scales at another granularity
+        from unicache_train.compress.config import UniCacheConfig
+
+        d = unicache_at_rate(presets.sinks_recent(), 0.0, "int4").to_dict()
+        d["quantize"]["granularity"] = INT4_SCALES[method]
+        return UniCacheCompressor(UniCacheConfig.from_dict(d))
     if method == "none":
         from unicache_train.seam import IdentityCompressor
 
@@ -247,6 +259,7 @@ def _settings(study: dict, scorer) -> dict:
     from calibration.json)."""
     cal = json.loads((HERE / "calibration.json").read_text())
     settings = {"none": compressor("none", 0.0), "int4": compressor("int4", 0.0)}
+    settings.update({name: compressor(name, 0.0) for name in INT4_SCALES})
     for method in study["methods"]:
         for red in study["reductions"]:
             key = f"{method}@{red}"
@@ -720,6 +733,18 @@ def table(study: dict) -> None:
                             **_test(a, b),
                         }
                     )
+    for model in models:  # int4's scales at another granularity, the same 4-bit codes
+        plain = cells.get((model, "int4"))
+        for name in INT4_SCALES:
+            if plain and (model, name) in cells:
+                tests.append(
+                    {
+                        "comparison": "int4 scales: another granularity vs per token",
+                        "a": f"{model} {name}",
+                        "b": f"{model} int4",
+                        **_test(cells[(model, name)], plain),
+                    }
+                )
     for model in models:  # what eviction costs on top of the same int4 storage
         plain = cells.get((model, "int4"))
         for m2, name in sorted(cells):
