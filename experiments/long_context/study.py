@@ -710,12 +710,24 @@ def table(study: dict) -> None:
         w.writeheader()
         w.writerows(out)
     tests = []
+
+    def pair(comparison: str, a: tuple[str, str], b: tuple[str, str]) -> None:
+        """Append the paired test of cells ``a`` and ``b`` ((model, setting)) if both exist."""
+        if a in cells and b in cells:
+            tests.append(
+                {
+                    "comparison": comparison,
+                    "a": " ".join(a),
+                    "b": " ".join(b),
+                    **_test(cells[a], cells[b]),
+                }
+            )
+
     anchors = [m for m in study["methods"] if m != "attention"]
     models = sorted({m for m, _ in cells})
     modes = sorted({_mode_prefix(n) for _, n in cells})
     for model, mode in ((m, p) for m in models for p in modes):
         for red in study["reductions"]:
-            a = cells.get((model, f"{mode}attention@{red}"))
             # ours (study.yaml methods) and kvpress's presses (experiments/kvpress harness)
             names = [f"{mode}{m}@{red}" for m in anchors] + sorted(
                 n
@@ -723,94 +735,37 @@ def table(study: dict) -> None:
                 if m == model and n.startswith(f"{mode}kvpress_") and n.endswith(f"@{red}")
             )
             for name in names:
-                b = cells.get((model, name))
-                if a and b:
-                    tests.append(
-                        {
-                            "comparison": "scorer vs anchor",
-                            "a": f"{model} {mode}attention@{red}",
-                            "b": f"{model} {name}",
-                            **_test(a, b),
-                        }
-                    )
+                pair("scorer vs anchor", (model, f"{mode}attention@{red}"), (model, name))
     for model in models:  # int4's scales at another granularity, the same 4-bit codes
-        plain = cells.get((model, "int4"))
         for name in INT4_SCALES:
-            if plain and (model, name) in cells:
-                tests.append(
-                    {
-                        "comparison": "int4 scales: another granularity vs per token",
-                        "a": f"{model} {name}",
-                        "b": f"{model} int4",
-                        **_test(cells[(model, name)], plain),
-                    }
-                )
-    for model in models:  # what eviction costs on top of the same int4 storage
-        plain = cells.get((model, "int4"))
-        for m2, name in sorted(cells):
-            if plain and m2 == model and name.startswith("kvpress_") and "_int4@" in name:
-                tests.append(
-                    {
-                        "comparison": "anchor vs int4 only",
-                        "a": f"{model} {name}",
-                        "b": f"{model} int4",
-                        **_test(cells[(m2, name)], plain),
-                    }
-                )
-    for m2, name in sorted(cells):  # equal bytes: fewer tokens at int4 vs more at 16 bits
+            pair("int4 scales: another granularity vs per token", (model, name), (model, "int4"))
+    for model, name in sorted(cells):
         if name.startswith("kvpress_") and "_int4@" in name:
-            wide = cells.get((m2, name.replace("_int4@", "_16bit@")))
-            if wide:
-                tests.append(
-                    {
-                        "comparison": "storage at equal bytes: int4 vs 16-bit",
-                        "a": f"{m2} {name}",
-                        "b": f"{m2} {name.replace('_int4@', '_16bit@')}",
-                        **_test(cells[(m2, name)], wide),
-                    }
-                )
-    for m2, name in sorted(cells):  # KVzip's budget over all layers vs the same per layer
+            # what eviction costs on top of the same int4 storage
+            pair("anchor vs int4 only", (model, name), (model, "int4"))
+    for model, name in sorted(cells):  # equal bytes: fewer tokens at int4 vs more at 16 bits
+        if name.startswith("kvpress_") and "_int4@" in name:
+            wide = (model, name.replace("_int4@", "_16bit@"))
+            pair("storage at equal bytes: int4 vs 16-bit", (model, name), wide)
+    for model, name in sorted(cells):  # KVzip's budget over all layers vs the same per layer
         if "kvpress_KVzipLayerwise_" in name:
-            glob = cells.get((m2, name.replace("KVzipLayerwise", "KVzip")))
-            if glob:
-                tests.append(
-                    {
-                        "comparison": "ablation: one budget for all layers vs per layer",
-                        "a": f"{m2} {name.replace('KVzipLayerwise', 'KVzip')}",
-                        "b": f"{m2} {name}",
-                        **_test(glob, cells[(m2, name)]),
-                    }
-                )
+            glob = (model, name.replace("KVzipLayerwise", "KVzip"))
+            pair("ablation: one budget for all layers vs per layer", glob, (model, name))
     for model in models:
         ours, theirs = cells.get((model, "none")), cells.get((model, "kvpress_none"))
         if ours and theirs:  # the sanity row: kvpress's harness reproduces our uncompressed row
             same = {r["id"]: r["prediction"] for r in ours}
-            tests.append(
-                {
-                    "comparison": "sanity: kvpress no-press vs ours",
-                    "a": f"{model} kvpress_none",
-                    "b": f"{model} none",
-                    **_test(theirs, ours),
-                    "predictions_differ": sum(same[r["id"]] != r["prediction"] for r in theirs),
-                }
-            )
+            pair("sanity: kvpress no-press vs ours", (model, "kvpress_none"), (model, "none"))
+            tests[-1]["predictions_differ"] = sum(same[r["id"]] != r["prediction"] for r in theirs)
     for model in models:
         if model == "base":
             continue
-        for (m2, name), rows in cells.items():
+        for m2, name in list(cells):
             if m2 != model:
                 continue
             for other in ("base", _control_of(model, models)):
-                ref = cells.get((other, name))
-                if ref and other != model:
-                    tests.append(
-                        {
-                            "comparison": "fine-tune vs reference",
-                            "a": f"{model} {name}",
-                            "b": f"{other} {name}",
-                            **_test(rows, ref),
-                        }
-                    )
+                if other != model:
+                    pair("fine-tune vs reference", (model, name), (other, name))
     tests += _pooled_tests(cells)
     for r in ppl_table(study):
         print(r)
