@@ -51,6 +51,12 @@ POLICIES = {
     "retention_int4": dict(
         method="unicache", preset="retention", unicache={"quantize": {"bits": 4}}
     ),
+    # one budget over all layers (a cross-layer compressor: the cache records every layer first)
+    "snapkv_global_int4": dict(
+        method="unicache",
+        preset="snapkv",
+        unicache={"quantize": {"bits": 4}, "schedule": {"global_budget": True}},
+    ),
     "xkv": dict(method="xkv"),
     "unicache+xkv": dict(method="unicache+xkv", preset="text_style_baseline"),
     "off": None,

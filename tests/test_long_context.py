@@ -27,9 +27,12 @@ from unicache_train.validation import ConfigError
 TOK = load_tokenizer("byte")
 
 
-def at(cfg: UniCacheConfig, rate: float, bits: int | None) -> UniCacheConfig:
+def at(
+    cfg: UniCacheConfig, rate: float, bits: int | None, global_budget: bool = False
+) -> UniCacheConfig:
     d = cfg.to_dict()
     d["target_rate"] = rate
+    d["schedule"]["global_budget"] = global_budget
     d["quantize"] = {**d["quantize"], "bits": bits}
     return UniCacheConfig.from_dict(d)
 
@@ -132,6 +135,7 @@ def settings() -> dict:
     return {
         "none": IdentityCompressor(),
         "snapkv_int4": UniCacheCompressor(at(presets.snapkv(), 0.6, 4)),
+        "snapkv_global_int4": UniCacheCompressor(at(presets.snapkv(), 0.6, 4, global_budget=True)),
         "unicache_int8": UniCacheCompressor(at(presets.text_style_baseline(), 0.5, 8)),
     }
 

@@ -12,7 +12,7 @@ import unicache_train.model.compressed_cache as cc
 import unicache_train.ops.decode_attention as ops
 from unicache_train.compress import UniCacheCompressor, UniCacheConfig
 from unicache_train.compress.config import XKVConfig
-from unicache_train.compress.presets import text_style_baseline
+from unicache_train.compress.presets import snapkv, text_style_baseline
 from unicache_train.compress.xkv import XKVCompressor
 from unicache_train.model import Decoder
 from unicache_train.model.compressed_cache import CompressedKVCache, StoredSegment
@@ -72,7 +72,18 @@ COMPRESSORS = {
     "int4": lambda: unicache(4),
     "int8": lambda: unicache(8),
     "xkv": lambda: XKVCompressor(XKVConfig(group_size=3, rank_mode="reduction", reduction=4.0)),
+    "global": lambda: global_snapkv(),
 }
+
+
+def global_snapkv() -> UniCacheCompressor:
+    """SnapKV with one budget over all layers, int4 (a cross-layer compressor)."""
+    d = snapkv().to_dict()
+    d["target_rate"] = 0.6
+    d["selection"]["window"] = 4
+    d["schedule"]["global_budget"] = True
+    d["quantize"].update(bits=4)
+    return UniCacheCompressor(UniCacheConfig.from_dict(d))
 
 
 class Counter:
@@ -130,8 +141,8 @@ def test_every_decoder_reads_through_attend_and_equals_the_inloop_forward(
     """Our loop on each model kind, each compressor, each decode path: the decode steps call
     ``attend`` (one call per layer per token) and never the per-step reference; their logits
     equal the in-loop forward's and ``decode_path="reference"``'s to 1e-5 (fp32)."""
-    if comp == "xkv" and kind in ("windowed", "softcap"):
-        pytest.skip("xKV on sliding-window models is not implemented (model/decoder.py)")
+    if comp in ("xkv", "global") and kind in ("windowed", "softcap"):
+        pytest.skip("cross-layer compressors on sliding-window models: not implemented")
     model = model_of(kind)
     compressor = COMPRESSORS[comp]()
     ids = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(1))

@@ -128,6 +128,13 @@ class AttentionScorer(nn.Module):
         return torch.einsum("bhtf,hf->bht", phi, self.weight[layer_idx].float())
 
 
+def _always_kept(mask: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
+    """[B, T] bool: the first ``sinks`` and the last ``window`` context tokens."""
+    n = mask.sum(1, keepdim=True)
+    order = torch.cumsum(mask.long(), 1) - 1  # [B, T] context rank
+    return mask & ((order < sinks) | (order >= n - window))
+
+
 def scores_for_selection(
     state: CompressionState, scorer: AttentionScorer, sinks: int, window: int
 ) -> torch.Tensor:
@@ -138,10 +145,21 @@ def scores_for_selection(
     rank = grouped_rank(pred, torch.zeros_like(state.modality_ids), mask, 1).float()
     n = mask.sum(1, keepdim=True)
     pct = rank / (n - 1).clamp_min(1).float()
-    order = torch.cumsum(mask.long(), 1) - 1  # [B, T] context rank
-    always = (order < sinks) | (order >= n - window)
+    always = _always_kept(mask, sinks, window)
     s = torch.where(always, torch.full_like(pct, ALWAYS_KEPT_SCORE), pct.clamp(max=0.999))
     return torch.where(mask, s, torch.zeros_like(s))
+
+
+def global_scores(
+    state: CompressionState, scorer: AttentionScorer, sinks: int, window: int
+) -> torch.Tensor:
+    """[B, T] the heads' largest predicted log attention, ``+inf`` for sinks and the recent
+    window: one scale for every layer (``ScheduleConfig.global_budget``). Within a layer it
+    orders the tokens as :func:`scores_for_selection` does."""
+    mask = state.context_mask
+    pred = scorer.head_scores(state.inp.layer_idx, state.keys, state.values, mask).amax(1)
+    inf = torch.full_like(pred, float("inf"))
+    return torch.where(_always_kept(mask, sinks, window), inf, pred.float())
 
 
 @dataclass
@@ -161,6 +179,13 @@ class AttentionScore(SelectionConfig):
             )
         state.scores = scores_for_selection(state, self.scorer, self.sinks, self.window)
         return state
+
+    @torch.no_grad()
+    def global_scores(self, state: CompressionState) -> torch.Tensor:
+        """[B, T] on the scale shared by all layers (:func:`global_scores`)."""
+        if self.scorer is None:
+            raise ValueError("SelectionConfig.method='attention' needs its AttentionScorer")
+        return global_scores(state, self.scorer, self.sinks, self.window)
 
 
 def save_attention_scorer(scorer: AttentionScorer, path: str | Path) -> Path:

@@ -49,6 +49,7 @@ from unicache_train.compress.attention_scorer import AttentionScore, AttentionSc
 from unicache_train.compress.budget import ModalityBudget
 from unicache_train.compress.config import MAX_RATE, UniCacheConfig
 from unicache_train.compress.fallback import DynamicFallback
+from unicache_train.compress.global_budget import fit_layer_rates
 from unicache_train.compress.head_merge import HeadMerge
 from unicache_train.compress.importance import Importance
 from unicache_train.compress.merge_evict import MergeEvict
@@ -56,7 +57,7 @@ from unicache_train.compress.modality import check_modalities
 from unicache_train.compress.protect import AlignmentProtect
 from unicache_train.compress.quantize import Quantize
 from unicache_train.compress.retention import RetentionGate, RetentionPolicy, RetentionScore
-from unicache_train.compress.schedule import LayerSchedule
+from unicache_train.compress.schedule import LayerRates, LayerSchedule
 from unicache_train.compress.sinks_recent import SinksRecent
 from unicache_train.compress.snapkv import SnapKV
 from unicache_train.compress.state import CompressionState, CompressionStep
@@ -66,6 +67,7 @@ from unicache_train.seam import (
     IdentityCompressor,
     KVCompressor,
     KVSegment,
+    RecordedContext,
     curriculum_scale,
     segment_kv_bytes,
     stored_heads,
@@ -154,6 +156,7 @@ class ComposedCompressor:
                 "protection, merge/evict, quantize"
             )
         self.steps = list(steps)
+        self._global = _global_budget_steps(self.steps)
         self.target_rate = target_rate
         self.final_rate_scale = rate_scale
         self.curriculum_steps = curriculum_steps
@@ -176,12 +179,45 @@ class ComposedCompressor:
         self.rate_scale = curriculum_scale(step, self.curriculum_steps, self.final_rate_scale)
         return self.rate_scale
 
-    def run(self, inp: CompressionInput) -> CompressionState:
-        """All intermediate results (rates, scores, protected tokens, segment) of one call."""
-        check_modalities(inp.modality_ids, inp.context_mask)
-        state = CompressionState.from_input(
+    # ------------------------------------------------ one budget over layers (global_budget)
+    @property
+    def cross_layer(self) -> bool:
+        """True with ``schedule.global_budget``: a layer's rate depends on every layer's
+        scores, so the decoder records the context first
+        (:class:`~unicache_train.seam.CrossLayerCompressor`)."""
+        return self._global is not None
+
+    @property
+    def records_context(self) -> bool:
+        return self._global is not None and not self.is_rate_zero()
+
+    @property
+    def record_with_grad(self) -> bool:
+        return False  # the ranking takes no gradient; the compressed pass differentiates
+
+    def fit(self, context: RecordedContext, step: int | None = None) -> LayerRates:
+        """Every layer's rate from one ranking over all recorded layers
+        (:func:`~unicache_train.compress.global_budget.fit_layer_rates`)."""
+        if self._global is None:
+            raise ValueError(
+                f"{type(self).__name__}.fit: only a compressor with schedule.global_budget=True "
+                "fits on the recorded context"
+            )
+        prefix, scorer = self._global
+
+        def run_prefix(state: CompressionState) -> CompressionState:
+            for s in prefix:
+                state = s(state)
+            return state
+
+        return fit_layer_rates(
+            context, run_prefix, self._new_state, scorer, self.target_rate * self.rate_scale
+        )
+
+    def _new_state(self, inp: CompressionInput, target: float | None = None) -> CompressionState:
+        return CompressionState.from_input(
             inp,
-            self.target_rate * self.rate_scale,
+            self.target_rate * self.rate_scale if target is None else target,
             rate_scale=self.rate_scale,
             reference_target=self.target_rate,
             window=self.window,
@@ -189,6 +225,11 @@ class ComposedCompressor:
             frame_stride=self.frame_stride,
             similarity=self.similarity,
         )
+
+    def run(self, inp: CompressionInput) -> CompressionState:
+        """All intermediate results (rates, scores, protected tokens, segment) of one call."""
+        check_modalities(inp.modality_ids, inp.context_mask)
+        state = self._new_state(inp)
         # NOTE: decided per call, so a curriculum may move rate_scale away from 0 at any time.
         zero = self.is_rate_zero()
         for step in self.steps:
@@ -363,6 +404,30 @@ class UniCacheCompressor(ComposedCompressor):
 
     def __repr__(self) -> str:
         return f"UniCacheCompressor({self.config!r})"
+
+
+def _global_budget_steps(
+    steps: Sequence[CompressionStep],
+) -> tuple[list[CompressionStep], CompressionStep] | None:
+    """(the steps before the selection, the selection) of a pipeline whose layer schedule has
+    ``global_budget``; None without one."""
+    sched = [i for i, s in enumerate(steps) if getattr(s, "global_budget", False)]
+    if not sched:
+        return None
+    scorers = [i for i, s in enumerate(steps[: sched[0]]) if hasattr(s, "global_scores")]
+    if not scorers:
+        names = [type(s).__name__ for s in steps]
+        raise ValueError(
+            f"schedule.global_budget=True needs a selection step before the layer schedule whose "
+            f"scores compare across layers (global_scores: AttentionScore, SnapKV); steps {names}"
+        )
+    if any(getattr(s, "enabled", False) for s in steps if isinstance(s, DynamicFallback)):
+        raise ValueError(
+            "schedule.global_budget=True is not allowed with fallback.enabled=True: the fallback "
+            "sets each layer's target from that layer alone; set fallback.enabled=False"
+        )
+    i = scorers[-1]
+    return list(steps[:i]), steps[i]
 
 
 def _check_number(name: str, value: float, lo: float, hi: float) -> None:

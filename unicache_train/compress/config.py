@@ -48,10 +48,15 @@ __all__ = [
     "MERGE_RESCALE_RULES",
     "SELECTION_METHODS",
     "RETENTION_RELAXATIONS",
+    "GLOBAL_BUDGET_METHODS",
 ]
 
 #: No layer or modality ever removes more than this fraction (a cache must keep something).
 MAX_RATE = 0.95
+
+#: Selections whose scores compare across layers (``ScheduleConfig.global_budget``): the learned
+#: scorer predicts the log attention a token receives, SnapKV measures the attention mass.
+GLOBAL_BUDGET_METHODS = ("attention", "snapkv")
 
 #: Which averages of a merged entry are rescaled to their members' mean norm (MergeEvictConfig).
 MERGE_RESCALE_RULES = ("k", "kv", "none")
@@ -153,16 +158,32 @@ class ScheduleConfig(ConfigBase):
         enabled: run this step (without it every layer gets the target rate).
         shallow_rate: rate of the first layer at the reference target.
         deep_rate: rate of the last layer at the reference target.
+        global_budget: one budget over all layers instead (KVzip's): the target rate applies to
+            the context tokens of all layers together, and each layer's rate is what a single
+            ranking of the selection's scores over every layer's tokens leaves it
+            (:mod:`~unicache_train.compress.global_budget`). The compressor then needs every
+            layer's context before it compresses any (the decoder's recording pass, as xKV's).
+            Needs ``enabled=False`` (the ranking replaces the curve) and a selection whose
+            scores compare across layers (``selection.method`` ``"attention"`` or
+            ``"snapkv"``).
     """
 
     enabled: bool = True
     shallow_rate: float = 0.75
     deep_rate: float = 0.45
+    global_budget: bool = False
 
     def __post_init__(self) -> None:
         check_bool(self, "enabled")
+        check_bool(self, "global_budget")
         check_range(self, "shallow_rate", 0.0, MAX_RATE)
         check_range(self, "deep_rate", 0.0, MAX_RATE)
+        if self.global_budget and self.enabled:
+            raise ConfigError(
+                "ScheduleConfig.global_budget=True is not allowed with enabled=True: the ranking "
+                "over all layers decides each layer's rate, the cosine curve would too; set "
+                "schedule.enabled=False"
+            )
         if self.shallow_rate + self.deep_rate == 0:
             raise ConfigError(
                 "ScheduleConfig.shallow_rate + deep_rate must be > 0 (the curve is scaled to "
@@ -469,6 +490,12 @@ class UniCacheConfig(ConfigBase):
         check_range(self, "rate_scale", 0.0, 1.0)
         check_int(self, "cache_dtype_bytes", 1, 8)
         check_nested(self)
+        if self.schedule.global_budget and self.selection.method not in GLOBAL_BUDGET_METHODS:
+            raise ConfigError(
+                "UniCacheConfig.schedule.global_budget=True needs a selection whose scores "
+                f"compare across layers; selection.method={self.selection.method!r} is not one; "
+                f"choose one of {list(GLOBAL_BUDGET_METHODS)}"
+            )
 
     @property
     def is_rate_zero(self) -> bool:

@@ -13,6 +13,10 @@ the last layer; consecutive layers differ by at most ``(shallow - deep) * pi / (
 terms cancel in pairs), so scaling by ``target / mean`` gives a schedule whose mean over layers
 is the target: the defaults at target 0.6 are exactly 0.75 -> 0.60 -> 0.45. Rates are clipped
 to ``[0, MAX_RATE]`` (only reached for targets above ~0.76).
+
+With ``global_budget`` the rates come from elsewhere: one ranking over every layer's context
+tokens (:mod:`~unicache_train.compress.global_budget`) leaves each layer a rate, handed to this
+step in the layer's :attr:`~unicache_train.seam.CompressionInput.fit` as :class:`LayerRates`.
 """
 
 from __future__ import annotations
@@ -26,7 +30,20 @@ import torch
 from unicache_train.compress.config import MAX_RATE, ScheduleConfig
 from unicache_train.compress.state import CompressionState
 
-__all__ = ["LayerSchedule", "cosine_curve", "layer_rate"]
+__all__ = ["LayerSchedule", "LayerRates", "cosine_curve", "layer_rate"]
+
+
+@dataclass
+class LayerRates:
+    """Each layer's rate per sample, decided over all layers at once (``global_budget``).
+
+    Attributes:
+        rates: layer -> [B] float32, the fraction of that layer's context tokens to remove.
+        target: [B] the rate over all layers together that the ranking met.
+    """
+
+    rates: dict[int, torch.Tensor]
+    target: torch.Tensor
 
 
 def cosine_curve(num_layers: int, shallow: float, deep: float) -> list[float]:
@@ -67,7 +84,18 @@ class LayerSchedule(ScheduleConfig):
     stage: ClassVar[int] = 3
 
     def __call__(self, state: CompressionState) -> CompressionState:
-        if self.enabled:
+        if self.global_budget:
+            fit = state.inp.fit
+            if not isinstance(fit, LayerRates):
+                raise ValueError(
+                    "schedule.global_budget=True needs every layer's context before any layer "
+                    f"is compressed, but layer {state.inp.layer_idx} came without the rates of "
+                    "a recording pass (CompressionInput.fit is "
+                    f"{type(fit).__name__}); pass the compressor to Decoder.forward, "
+                    "prefill_compressed, run_long_context or CompressedCache, which record first"
+                )
+            state.layer_rate = fit.rates[state.inp.layer_idx].to(state.target.device).float()
+        elif self.enabled:
             state.layer_rate = layer_rate(
                 state.inp.layer_idx,
                 state.inp.num_layers,

@@ -81,6 +81,14 @@ def snapkv_scores(state: CompressionState, window: int, kernel: int) -> torch.Te
     Returns:
         [B, T] float32 in [0, 2], 0 outside the context.
     """
+    pooled, in_window = _pooled(state, window, kernel)
+    mask = state.context_mask
+    s = torch.where(in_window, torch.full_like(pooled, WINDOW_SCORE), pooled.clamp(0.0, 1.0))
+    return torch.where(mask, s, torch.zeros_like(s))
+
+
+def _pooled(state: CompressionState, window: int, kernel: int):
+    """(pooled window attention / W [B, T], observation-window tokens [B, T] bool)."""
     state.configure(window, state.neighbours, state.frame_stride, state.similarity)
     mask = state.context_mask
     ws = state.window_stats()  # attn [B, T]: summed over the window's rows
@@ -88,9 +96,7 @@ def snapkv_scores(state: CompressionState, window: int, kernel: int) -> torch.Te
     pooled = avg_pool_within(ws.attn.float() / W, state.modality_ids, mask, kernel)
     rank = torch.cumsum(mask.long(), 1) - 1  # [B, T] context rank
     n = mask.sum(1, keepdim=True)  # [B, 1]
-    in_window = mask & (rank >= n - window)
-    s = torch.where(in_window, torch.full_like(pooled, WINDOW_SCORE), pooled.clamp(0.0, 1.0))
-    return torch.where(mask, s, torch.zeros_like(s))
+    return pooled, mask & (rank >= n - window)
 
 
 @dataclass
@@ -102,3 +108,10 @@ class SnapKV(SelectionConfig):
     def __call__(self, state: CompressionState) -> CompressionState:
         state.scores = snapkv_scores(state, self.window, self.kernel)
         return state
+
+    @torch.no_grad()
+    def global_scores(self, state: CompressionState) -> torch.Tensor:
+        """[B, T] the pooled attention mass (in [0, 1] on every layer), ``+inf`` for the
+        observation window (``ScheduleConfig.global_budget``)."""
+        pooled, in_window = _pooled(state, self.window, self.kernel)
+        return torch.where(in_window, torch.full_like(pooled, float("inf")), pooled.float())

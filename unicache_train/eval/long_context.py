@@ -49,10 +49,12 @@ from typing import Any
 
 import torch
 
+from unicache_train.compress.composer import ComposedCompressor
 from unicache_train.data.long_context import score_prediction
 from unicache_train.model.compressed_cache import CompressedKVCache, StoredSegment
 from unicache_train.seam import (
     CompressionInput,
+    RecordedContext,
     RecordingCompressor,
     find_cross_layer,
     stored_kv_bytes,
@@ -113,7 +115,10 @@ class LongContextResult:
 
 # ------------------------------------------------------------------------------ segments
 def _check(model, compressor: Any, name: str) -> None:
-    if find_cross_layer(compressor) is not None:
+    cross = find_cross_layer(compressor)
+    if cross is not None and not isinstance(cross, ComposedCompressor):
+        # One budget over layers (schedule.global_budget) fits on the shared prefill's record;
+        # xKV's low-rank segments cannot be split into the questions' rows.
         raise NotImplementedError(
             f"setting {name!r}: a cross-layer (xKV) compressor needs the decoder's two passes; "
             "evaluate it with unicache_train.eval.recall.run_recall"
@@ -134,13 +139,25 @@ def segments_for(
     inputs: Mapping[int, CompressionInput], compressor: Any
 ) -> dict[int, StoredSegment]:
     """Each recorded layer's input through ``compressor``, kept as a decoding cache stores it
-    (what :func:`~unicache_train.model.generate.prefill_compressed` stores)."""
+    (what :func:`~unicache_train.model.generate.prefill_compressed` stores).
+
+    A compressor with one budget over all layers (``schedule.global_budget``) first fits its
+    layer rates on all of ``inputs``, as the decoder's recording pass would have it do."""
+    fit = None
+    cross = find_cross_layer(compressor)
+    if cross is not None and cross.records_context:
+        S = max(int(inp.context_mask.sum(1).max()) for inp in inputs.values())
+        fit = cross.fit(RecordedContext(dict(inputs), {}, S, _no_rope), step=None)
     out = {}
     for layer_idx in sorted(inputs):
         inp = inputs[layer_idx]
-        seg = compressor(inp)
+        seg = compressor(inp if fit is None else dataclasses.replace(inp, fit=fit))
         out[layer_idx] = StoredSegment.from_segment(seg, inp.context_mask.sum(1))
     return out
+
+
+def _no_rope(positions: torch.Tensor, dtype: torch.dtype):
+    raise NotImplementedError("the shared prefill records post-RoPE keys; nothing re-rotates")
 
 
 def _select(seg: StoredSegment, rows: torch.Tensor) -> StoredSegment:
