@@ -74,6 +74,10 @@ def records(study: dict, tok, split: str, n: int, seed: int) -> list[dict]:
 INT4_SCALES = {"int4_channel": "channel", "int4_head": "head"}
 
 
+#: A method name ending so (``attention_global``) ranks its scores over all layers at once.
+GLOBAL_SUFFIX = "_global"
+
+
 def compressor(method: str, rate: float, scorer=None):
     from unicache_train.compress import UniCacheCompressor, presets
     from unicache_train.eval.budget import unicache_at_rate
@@ -90,8 +94,17 @@ def compressor(method: str, rate: float, scorer=None):
         from unicache_train.seam import IdentityCompressor
 
         return IdentityCompressor()
+    # "<method>_global": one budget over all layers (schedule.global_budget), KVzip's budget
+    glob = method.endswith(GLOBAL_SUFFIX)
+    method = method.removesuffix(GLOBAL_SUFFIX)
     base = presets.text_style_baseline() if method == "unicache" else getattr(presets, method)()
     cfg = unicache_at_rate(base, rate, "int4")
+    if glob:
+        from unicache_train.compress.config import UniCacheConfig
+
+        d = cfg.to_dict()
+        d["schedule"]["global_budget"] = True
+        cfg = UniCacheConfig.from_dict(d)
     if method == "attention":
         return UniCacheCompressor(cfg, attention_scorer=scorer)
     return UniCacheCompressor(cfg)
@@ -141,9 +154,10 @@ def fit_scorer(study: dict) -> None:
     (HERE / "scorer_fit.json").write_text(json.dumps(fit.summary(), indent=2) + "\n")
 
 
-def calibrate(study: dict) -> None:
+def calibrate(study: dict, only: list[str] | None = None) -> None:
     """Per (method, reduction) the smallest rate whose measured reduction on the calibration
-    contexts reaches the target (bisection on compress-only passes over one recording)."""
+    contexts reaches the target (bisection on compress-only passes over one recording).
+    ``only``: these methods, the other entries of calibration.json kept as they are."""
     from unicache_train.compress.config import MAX_RATE
     from unicache_train.eval.long_context import sample_kv_bytes, segments_for
     from unicache_train.seam import RecordingCompressor
@@ -160,7 +174,7 @@ def calibrate(study: dict) -> None:
     capture = RecordingCompressor()
     with torch.no_grad():
         model(ids, split=split, compressor=capture, logits_at=(split - 1)[:, None])
-    scorer = read_scorer(model) if "attention" in study["methods"] else None
+    scorer = read_scorer(model) if _needs_scorer(study) else None
 
     def reduction(method: str, rate: float) -> float:
         with torch.no_grad():
@@ -170,7 +184,11 @@ def calibrate(study: dict) -> None:
         return sum(base) / sum(kv)
 
     out = {"int4": {"rate": 0.0, "reduction": reduction("int4", 0.0)}}
-    for method in study["methods"]:
+    methods = study["methods"]
+    if only:
+        out = json.loads((HERE / "calibration.json").read_text())
+        methods = [m for m in methods if m in only]
+    for method in methods:
         for red in study["reductions"]:
             lo, hi = 0.0, MAX_RATE
             if reduction(method, hi) < red:
@@ -187,6 +205,10 @@ def calibrate(study: dict) -> None:
                 f"{method}@{red}: rate {hi:.4f}, measured {out[f'{method}@{red}']['reduction']:.3f}x"
             )
     (HERE / "calibration.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
+def _needs_scorer(study: dict) -> bool:
+    return any(m.removesuffix(GLOBAL_SUFFIX) == "attention" for m in study["methods"])
 
 
 def _mode_prefix(setting: str) -> str:
@@ -247,7 +269,7 @@ def _model_and_settings(study: dict, only, model_dir, label):
         study = {**study, "checkpoint": str(model_dir)}
         name = label or Path(model_dir).parent.name
     model, tok = model_and_tokenizer(study)
-    scorer = read_scorer(model) if "attention" in study["methods"] else None
+    scorer = read_scorer(model) if _needs_scorer(study) else None
     settings = _settings(study, scorer)
     if only:
         settings = {k: v for k, v in settings.items() if k in only}
@@ -821,14 +843,16 @@ def main(argv: list[str]) -> None:
         "query-aware (the question in the compressed prefill)",
     )
     ap.add_argument("--config", type=Path, default=HERE / "study.yaml")
-    ap.add_argument("--only", nargs="*", help="run, perplexity: these settings only")
+    ap.add_argument(
+        "--only", nargs="*", help="run, perplexity: these settings only; calibrate: these methods"
+    )
     args = ap.parse_args(argv)
     study = load_study(args.config)
     torch.set_num_threads(int(study.get("threads", 2)))
     if args.command == "fit-scorer":
         fit_scorer(study)
     elif args.command == "calibrate":
-        calibrate(study)
+        calibrate(study, args.only)
     elif args.command == "run":
         run(study, args.only, args.model, args.label, args.mode)
     elif args.command == "finetune":
