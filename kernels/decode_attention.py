@@ -30,10 +30,19 @@ import torch
 import triton
 import triton.language as tl
 
-from unicache_train.ops.decode_attention import check_decode_inputs, segment_bias
+from unicache_train.ops.decode_attention import (
+    TRITON_GRANULARITIES,
+    check_decode_inputs,
+    segment_bias,
+    triton_reads,
+    triton_refusal,
+)
 from unicache_train.seam import QuantizedKV
 
-_GRANULARITY = {"token_head": 0, "head": 1, "channel": 2}
+#: GRAN of the kernel: 0 token_head, 1 head, 2 channel (K and V share it; split K/V
+#: granularities and ``"channel_group"`` are not read here: ``decode_attention``'s ``"auto"``
+#: takes the PyTorch packed path for them).
+_GRANULARITY = {g: i for i, g in enumerate(TRITON_GRANULARITIES)}
 _NEG = -1.0e30  # finite "minus infinity" for the running max (exp(-inf - -inf) would be NaN)
 
 
@@ -213,14 +222,15 @@ def decode_attention_triton(
         block_m: entries per inner block (a power of two).
 
     Raises:
-        ValueError: an odd head dim (the kernel reads even/odd feature pairs).
+        ValueError: an odd head dim (the kernel reads even/odd feature pairs), or scales the
+            kernel does not read (K and V at different granularities, ``"channel_group"``).
     """
     check_decode_inputs(q, quant, head_map, k_dec, v_dec)
     B, H, T, D = q.shape
     if D % 2:
         raise ValueError(f"decode_attention_triton: head dim {D} must be even")
-    if quant.granularity not in _GRANULARITY:
-        raise ValueError(f"granularity={quant.granularity!r}; allowed {list(_GRANULARITY)}")
+    if not triton_reads(quant):
+        raise ValueError(f"decode_attention_triton: {triton_refusal(quant)}")
     Hk = head_map.shape[1]
     M = quant.k_data.shape[2]
     scale = D**-0.5 if scale is None else float(scale)

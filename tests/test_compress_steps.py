@@ -473,7 +473,12 @@ def test_fallback_uses_the_uncompressed_input(monkeypatch: pytest.MonkeyPatch) -
         (MergeEvictConfig, "merge_threshold", 0.3, "[0.5, 1.0]"),
         (MergeEvictConfig, "evict_threshold", 0.9, "[0.0, 0.8]"),
         (QuantizeConfig, "bits", 3, "[4, 8, 16, None]"),
-        (QuantizeConfig, "granularity", "tensor", "['token_head', 'head', 'channel']"),
+        (
+            QuantizeConfig,
+            "granularity",
+            "tensor",
+            "['token_head', 'head', 'channel', 'channel_group']",
+        ),
         (FallbackConfig, "lambda_align", -2.0, "[0.0, 10.0]"),
         (FallbackConfig, "max_rate", 0.3, "[0.4, 0.95]"),
         (UniCacheConfig, "target_rate", 0.99, "[0.0, 0.95]"),

@@ -48,6 +48,7 @@ __all__ = [
     "CrossLayerCompressor",
     "identity_segment",
     "QuantizedKV",
+    "QUANT_GRANULARITIES",
     "LowRankKV",
     "pack_int4",
     "unpack_int4",
@@ -68,6 +69,10 @@ MODALITY_NAMES: tuple[str, ...] = ("text", "vision", "audio")
 NUM_MODALITIES = len(MODALITY_NAMES)
 
 
+#: Scale granularities of :class:`QuantizedKV` (``QuantizeConfig.granularity``'s choices).
+QUANT_GRANULARITIES = ("token_head", "head", "channel", "channel_group")
+
+
 @dataclass
 class QuantizedKV:
     """Packed integer storage of a segment's K/V (what an inference cache would hold).
@@ -77,15 +82,18 @@ class QuantizedKV:
 
     Attributes:
         bits: 8 or 4.
-        granularity: ``"token_head"`` (one scale per token per head per K/V), ``"head"`` (one
-            scale per head per K/V over the whole segment of a sample) or ``"channel"`` (one
-            scale per feature per head per K/V over the segment of a sample).
+        granularity: the keys' scales (and the values' unless ``value_granularity`` says
+            otherwise): ``"token_head"`` (one scale per token per head), ``"head"`` (one scale
+            per head over the whole segment of a sample), ``"channel"`` (one scale per feature
+            per head over the segment of a sample) or ``"channel_group"`` (one scale per
+            feature per head for each group of ``group_size`` consecutive entries of a sample:
+            KIVI's keys).
         k_data: int8 ``[B, H_kv, M, D]`` (bits 8) or uint8 ``[B, H_kv, M, ceil(D/2)]`` (bits 4,
             two values per byte, low nibble first).
         v_data: as ``k_data`` (with the values' last dim).
-        k_scale: ``[B, H_kv, M]`` (token_head), ``[B, H_kv]`` (head) or ``[B, H_kv, D]``
-            (channel), fp16 or fp32.
-        v_scale: as ``k_scale``.
+        k_scale: ``[B, H_kv, M]`` (token_head), ``[B, H_kv]`` (head), ``[B, H_kv, D]``
+            (channel) or ``[B, H_kv, ceil(M / group_size), D]`` (channel_group), fp16 or fp32.
+        v_scale: as ``k_scale``, at the values' granularity.
         head_dim: D of the keys (needed to unpack an odd D from int4).
         value_dim: D of the values when it differs from the keys' (MLA: latent rank), else None.
         latent: MLA's latent cache ``[c_kv ‖ k_pe]``, stored once in two parts with their own
@@ -93,7 +101,12 @@ class QuantizedKV:
             are also the values), ``k_data``/``k_scale`` the remaining ``head_dim - value_dim``
             (``k_pe``). The dequantized keys are the two parts concatenated, the values a view of
             the first. (One scale over both would let the RoPE key's range, often far above the
-            normed ``c_kv``'s, flatten ``c_kv`` to a few levels at int4.)
+            normed ``c_kv``'s, flatten ``c_kv`` to a few levels at int4.) Both parts have
+            ``granularity``.
+        value_granularity: the values' granularity when it differs from the keys' (KIVI's
+            split: keys ``"channel_group"``, values ``"token_head"``), else None.
+        group_size: entries per group when either granularity is ``"channel_group"``, else
+            None.
     """
 
     bits: int
@@ -105,6 +118,29 @@ class QuantizedKV:
     head_dim: int
     value_dim: int | None = None
     latent: bool = False
+    value_granularity: str | None = None
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("granularity", "value_granularity"):
+            value = getattr(self, name)
+            if value is not None and value not in QUANT_GRANULARITIES:
+                raise ValueError(
+                    f"QuantizedKV.{name}={value!r} is not allowed; choose one of "
+                    f"{list(QUANT_GRANULARITIES)}"
+                )
+        if "channel_group" in (self.granularity, self.v_granularity) and not (
+            isinstance(self.group_size, int) and self.group_size >= 1
+        ):
+            raise ValueError(
+                f"QuantizedKV.group_size={self.group_size!r}: a 'channel_group' granularity "
+                "needs an integer group_size in [1, inf]"
+            )
+
+    @property
+    def v_granularity(self) -> str:
+        """The values' granularity (``value_granularity``, else ``granularity``)."""
+        return self.granularity if self.value_granularity is None else self.value_granularity
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -123,13 +159,24 @@ def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(both > 7, both - 16, both).to(torch.int8)
 
 
-def broadcast_scale(scale: torch.Tensor, granularity: str) -> torch.Tensor:
+def broadcast_scale(
+    scale: torch.Tensor,
+    granularity: str,
+    group_size: int | None = None,
+    entries: int | None = None,
+) -> torch.Tensor:
     """Scales of one :attr:`QuantizedKV.granularity` (``[B, H, M]`` token_head, ``[B, H]`` head,
-    ``[B, H, D]`` channel) as a view that broadcasts against ``[B, H, M, D]`` values."""
+    ``[B, H, D]`` channel) as a view that broadcasts against ``[B, H, M, D]`` values; the
+    ``[B, H, ceil(M / G), D]`` scales of channel_group (``group_size`` G, ``entries`` M) as a
+    ``[B, H, M, D]`` tensor, each group's row repeated over its entries (a copy)."""
     if granularity == "token_head":
         return scale[..., None]
     if granularity == "channel":
         return scale[:, :, None, :]
+    if granularity == "channel_group":
+        if group_size is None or entries is None:
+            raise ValueError("broadcast_scale('channel_group') needs group_size and entries")
+        return scale.repeat_interleave(group_size, 2)[:, :, :entries]
     return scale[:, :, None, None]
 
 
@@ -137,18 +184,20 @@ def dequantize(quant: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed storage -> (keys, values) float32 [B, H, M, D] (a latent's values: the keys' first
     ``value_dim`` features, a view)."""
 
-    def one(data: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+    def one(data: torch.Tensor, scale: torch.Tensor, dim: int, granularity: str) -> torch.Tensor:
         q = unpack_int4(data, dim) if quant.bits == 4 else data
         s = scale.float()
         s = torch.where(s > 0, s, torch.ones_like(s))
-        return q.float() * broadcast_scale(s, quant.granularity)
+        return q.float() * broadcast_scale(s, granularity, quant.group_size, data.shape[2])
 
     v_dim = quant.value_dim if quant.value_dim is not None else quant.head_dim
-    if quant.latent:  # [c_kv ‖ k_pe], each part with its own scales
-        c = one(quant.v_data, quant.v_scale, v_dim)
-        k = torch.cat([c, one(quant.k_data, quant.k_scale, quant.head_dim - v_dim)], -1)
+    kg, vg = quant.granularity, quant.v_granularity
+    if quant.latent:  # [c_kv ‖ k_pe], each part with its own scales (both at ``granularity``)
+        c = one(quant.v_data, quant.v_scale, v_dim, kg)
+        k = torch.cat([c, one(quant.k_data, quant.k_scale, quant.head_dim - v_dim, kg)], -1)
         return k, k[..., :v_dim]
-    return one(quant.k_data, quant.k_scale, quant.head_dim), one(quant.v_data, quant.v_scale, v_dim)
+    k = one(quant.k_data, quant.k_scale, quant.head_dim, kg)
+    return k, one(quant.v_data, quant.v_scale, v_dim, vg)
 
 
 @dataclass
@@ -593,9 +642,12 @@ def stored_kv_bytes(
     """Stored bytes of one layer's (compressed) context per sample, K then V.
 
     * low-rank factors (xKV): the factors, not their reconstruction (:meth:`LowRankKV.nbytes`);
-    * packed integers: valid entries x stored heads x (payload at its element size + one scale
-      per vector), or with ``granularity="head"`` one scale per stored head and sample (with
-      ``"channel"`` one per feature of each stored head and sample);
+    * packed integers, K and V each at its own granularity: valid entries x stored heads x
+      (payload at its element size + one scale per vector: ``"token_head"``), or one scale per
+      stored head and sample (``"head"``), one per feature of each stored head and sample
+      (``"channel"``), or ``ceil(n / group_size)`` x one per feature of each stored head, ``n``
+      the sample's valid entries (``"channel_group"``: the groups a cache of the ``n`` kept
+      entries holds);
     * floating: valid entries x stored heads x ``D`` x ``dtype_bytes`` (the deployed cache
       dtype, not the fp32 of a CPU run).
 
@@ -624,13 +676,23 @@ def stored_kv_bytes(
     if quant is None:
         return g * n * kv_width(key_dim, value_dim, latent) * dtype_bytes
     total = torch.zeros_like(n)
-    # K and V, or a latent's two parts (c_kv, k_pe): each its own payload and scales
-    for data, scale in ((quant.k_data, quant.k_scale), (quant.v_data, quant.v_scale)):
+    # K and V, or a latent's two parts (c_kv, k_pe; both at ``granularity``): each its own
+    # payload and scales
+    v_gran = quant.granularity if quant.latent else quant.v_granularity
+    parts = (
+        (quant.k_data, quant.k_scale, quant.granularity),
+        (quant.v_data, quant.v_scale, v_gran),
+    )
+    for data, scale, gran in parts:
         payload = data.shape[-1] * data.element_size()  # bytes per stored vector
-        if quant.granularity == "token_head":
+        if gran == "token_head":
             total = total + g * n * (payload + scale.element_size())
+        elif gran == "channel_group":  # one scale per feature per group of the valid entries
+            assert quant.group_size is not None
+            groups = torch.ceil(n / quant.group_size)
+            total = total + g * n * payload + g * groups * scale.shape[-1] * scale.element_size()
         else:  # per sample and head: one scale ("head") or one per feature ("channel")
-            per_head = scale.shape[-1] if quant.granularity == "channel" else 1
+            per_head = scale.shape[-1] if gran == "channel" else 1
             total = total + g * n * payload + g * per_head * scale.element_size() * (n > 0)
     return total
 

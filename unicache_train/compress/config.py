@@ -312,8 +312,21 @@ class QuantizeConfig(ConfigBase):
             head per sample over the segment (the source's per-head), or ``"channel"``: one
             scale per feature per head per sample over the segment (KIVI's per-channel keys; for
             caches whose features differ by orders of magnitude, e.g. an MLA latent converted by
-            PCA, where one scale per vector rounds the quiet features to zero at int4). Never a
+            PCA, where one scale per vector rounds the quiet features to zero at int4), or
+            ``"channel_group"``: one scale per feature per head per sample for each group of
+            ``group_size`` consecutive segment entries (the last group may be shorter), so an
+            outlier token (an attention sink) spoils only its own group's scales. Never a
             global scale.
+        key_granularity, value_granularity: the keys' and the values' own granularity (one of
+            the above), or None (the default) for ``granularity``. KIVI's split (Liu et al.,
+            arXiv 2402.02750) is ``key_granularity="channel_group"``,
+            ``value_granularity="token_head"``: keys have a few loud channels, values do not,
+            and attention mixes values token by token (ours stays symmetric, with no zero point
+            and no full-precision window of recent tokens). An MLA latent (values = the keys'
+            first features, stored once) takes the keys' granularity for both of its parts.
+        group_size: G, entries per group of ``"channel_group"`` (KIVI's default: 32); read
+            only by that granularity. Its scales cost ``ceil(n / G) x D`` per stored head
+            beside the payload's ``n x D`` values (n: valid entries).
         scale_dtype: ``"float16"`` or ``"float32"`` storage of the scales.
         windowed_layers: also quantize the cache of a sliding-window layer (its window's
             context tokens, none removed: the window already bounds how many it holds, not how
@@ -321,11 +334,17 @@ class QuantizeConfig(ConfigBase):
             (docs/architecture.md#sliding-window-layers).
     """
 
+    #: The scale granularities (:data:`unicache_train.seam.QUANT_GRANULARITIES`).
+    _GRANULARITIES = ("token_head", "head", "channel", "channel_group")
+
     enabled: bool = True
     bits: int | None = 8
     granularity: str = "token_head"
     scale_dtype: str = "float16"
     windowed_layers: bool = False
+    key_granularity: str | None = None
+    value_granularity: str | None = None
+    group_size: int = 32
 
     def __post_init__(self) -> None:
         check_bool(self, "enabled")
@@ -334,13 +353,31 @@ class QuantizeConfig(ConfigBase):
             raise ConfigError(
                 f"QuantizeConfig.bits={self.bits!r} is not allowed; choose one of [4, 8, 16, None]"
             )
-        check_choice(self, "granularity", ("token_head", "head", "channel"))
+        check_choice(self, "granularity", self._GRANULARITIES)
+        for name in ("key_granularity", "value_granularity"):
+            value = getattr(self, name)
+            if value is not None and value not in self._GRANULARITIES:
+                raise ConfigError(
+                    f"QuantizeConfig.{name}={value!r} is not allowed; choose one of "
+                    f"{[*self._GRANULARITIES, None]} (None: granularity's)"
+                )
+        check_int(self, "group_size", 1, 1 << 16)
         check_choice(self, "scale_dtype", ("float16", "float32"))
 
     @property
     def active(self) -> bool:
         """True when this step changes the values (bits 4 or 8)."""
         return self.enabled and self.bits in (4, 8)
+
+    @property
+    def effective_key_granularity(self) -> str:
+        """The keys' granularity: ``key_granularity``, or ``granularity`` when None."""
+        return self.granularity if self.key_granularity is None else self.key_granularity
+
+    @property
+    def effective_value_granularity(self) -> str:
+        """The values' granularity: ``value_granularity``, or ``granularity`` when None."""
+        return self.granularity if self.value_granularity is None else self.value_granularity
 
 
 @dataclass

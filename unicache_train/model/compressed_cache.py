@@ -49,7 +49,7 @@ import torch
 
 from unicache_train.model.attention import attention_op, count_bias
 from unicache_train.model.kv_cache import KVCache
-from unicache_train.ops.decode_attention import decode_attention
+from unicache_train.ops.decode_attention import decode_attention, triton_reads
 from unicache_train.ops.rope import apply_rope
 from unicache_train.seam import (
     KVSegment,
@@ -166,6 +166,8 @@ class StoredSegment:
                 q.head_dim,
                 q.value_dim,
                 latent=q.latent,
+                value_granularity=q.value_granularity,
+                group_size=q.group_size,
             )
         elif seg.latent:  # MLA: one latent; the values are a view of its first features
             keys = take(seg.keys.detach())
@@ -309,7 +311,10 @@ class CompressedKVCache(KVCache):
             attention reads are the keys' first ``R`` features, and the baseline is the
             uncompressed latent cache. No sliding windows (MLA has none).
         decode_path: how :meth:`attend` reads a layer's segment: ``"auto"`` (default) takes
-            ``"packed"`` for a packed segment on CUDA and ``"buffer"`` everywhere else (chosen
+            ``"packed"`` for a packed segment on CUDA that the Triton kernel reads (K and V at
+            one granularity, ``"token_head"``, ``"head"`` or ``"channel"``:
+            :func:`~unicache_train.ops.decode_attention.triton_reads`; any when ``backend`` is
+            not ``"auto"``) and ``"buffer"`` everywhere else (chosen
             by measurement: the one path at or above a plain cache's tokens/s on CPU at 2k
             tokens, docs/serving.md); ``"int8"`` unpacks an int4 segment once, in
             :meth:`prepare`, into int8 rows (a working copy twice the packed payload, a quarter
@@ -500,7 +505,12 @@ class CompressedKVCache(KVCache):
             return "reference"
         if self.reads_packed(layer_idx, softcap) and self.decode_path != "buffer":
             if self.decode_path == "auto":
-                return "packed" if device.type == "cuda" else "buffer"
+                quant = self._segment(layer_idx).quant
+                assert quant is not None
+                # CUDA: the Triton kernel, where it reads the segment's scales (with
+                # backend="auto"; K and V at one granularity of its table), else the buffer
+                kernel = self.backend != "auto" or triton_reads(quant)
+                return "packed" if device.type == "cuda" and kernel else "buffer"
             return self.decode_path
         return "window" if self.windows[layer_idx] is not None else "buffer"
 

@@ -6,7 +6,8 @@ One decode step of :class:`~unicache_train.model.compressed_cache.CompressedKVCa
 stored head group), the decoded tokens are floating K/V. Per query head ``h`` of sample ``b``::
 
     slot  = head_map[b, h // R]                        (R = H / Hk, GQA; merged heads share a slot)
-    k_m   = q_int(k_data[b, slot, m]) * k_scale         (per token-head, per head or per channel)
+    k_m   = q_int(k_data[b, slot, m]) * k_scale         (per token-head, head, channel or
+                                                        channel and group of entries)
     logit = scale * <q, k_m> + log(count[b, m])         (masked where not valid[b, m])
     logit over decoded token s: scale * <q, k_dec[s]>   (causal: query t sees s <= S - T + t)
     out   = softmax over [segment ; decoded] of logits, applied to [v_m ; v_dec]
@@ -20,15 +21,22 @@ Three implementations, one contract:
   the nibbles become two half-width float tensors (even and odd features, one layer's transient)
   that go straight into BLAS; per-token scales factor out of the feature sums, channel scales fold
   into the query (keys) and the output (values), so every granularity is the same two matmuls.
+  K and V may have different granularities (KIVI's split). Grouped channel scales
+  (``"channel_group"``: one per feature for each group of ``group_size`` entries) cannot fold
+  into one query: for the keys the query is scaled once per group (``[groups, n, D]``, one
+  batched matmul, each group's copy dotted with that group's entries only), and the values'
+  per-group partial outputs take their group's channel scales before they are summed.
   (A ``torch.compile``d unpack-inside-the-reduction version was measured first: 11.5 ms per layer
   at M = 2000 against 1.6 ms for this one, 1 thread; inductor does not reach BLAS speed on these
   reductions.)
 - ``unicache_train.kernels.decode_attention``: one Triton kernel for CUDA (unpack and scale in
   registers, one online softmax, split-K over the segment), tested against the reference under
-  ``TRITON_INTERPRET=1``.
+  ``TRITON_INTERPRET=1``. It reads K and V at one shared granularity of
+  :data:`TRITON_GRANULARITIES` (:func:`triton_reads`): not split K/V granularities, not
+  ``"channel_group"``.
 
-:func:`decode_attention` dispatches (``backend="auto"``: Triton on CUDA, the packed path
-elsewhere; an explicit backend that cannot run raises).
+:func:`decode_attention` dispatches (``backend="auto"``: Triton on CUDA where it reads the
+segment, the packed path elsewhere; an explicit backend that cannot run raises).
 
 Shape legend: B, H, Hk, G, T, M, S, D = batch, query heads, KV heads, stored head slots, new
 queries, segment entries, decoded tokens, head dim (``Dp``: packed bytes per entry, ``D / 2``
@@ -43,15 +51,38 @@ import torch.nn.functional as F
 from unicache_train.seam import QuantizedKV, dequantize
 
 __all__ = [
+    "TRITON_GRANULARITIES",
     "check_decode_inputs",
     "decode_attention",
     "decode_attention_packed",
     "decode_attention_reference",
     "segment_bias",
+    "triton_reads",
+    "triton_refusal",
     "unpack_pairs",
 ]
 
 BACKENDS = ("auto", "torch", "packed", "triton")
+
+#: The granularities the Triton kernel reads (its ``_GRANULARITY`` table is built from this),
+#: K and V at the same one.
+TRITON_GRANULARITIES = ("token_head", "head", "channel")
+
+
+def triton_reads(quant: QuantizedKV) -> bool:
+    """Whether the Triton kernel reads ``quant``'s scales: K and V at one granularity of
+    :data:`TRITON_GRANULARITIES`."""
+    return quant.granularity in TRITON_GRANULARITIES and quant.v_granularity == quant.granularity
+
+
+def triton_refusal(quant: QuantizedKV) -> str:
+    """Why the Triton kernel cannot read ``quant`` (the error of an explicit ``"triton"``)."""
+    return (
+        f"the Triton decode kernel reads K and V at one shared granularity of "
+        f"{list(TRITON_GRANULARITIES)}; this segment has keys {quant.granularity!r}, values "
+        f"{quant.v_granularity!r} (group_size={quant.group_size}): use backend='auto' or "
+        "'packed' (the PyTorch packed path reads every granularity) or 'torch'"
+    )
 
 
 def segment_bias(counts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -130,7 +161,8 @@ def unpack_pairs(data: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _token_and_channel(scale: torch.Tensor, granularity: str, M: int, D: int):
-    """Scales of one granularity as (per-entry [B, G, M], per-channel [B, G, D]) factors."""
+    """Scales of one granularity as (per-entry [B, G, M], per-channel [B, G, D]) factors
+    (``"channel_group"``: ones for both, its scales apply per group, :func:`_group_scales`)."""
     s = scale.float()
     s = torch.where(s > 0, s, torch.ones_like(s))  # as :func:`~unicache_train.seam.dequantize`
     B, G = s.shape[:2]
@@ -138,7 +170,18 @@ def _token_and_channel(scale: torch.Tensor, granularity: str, M: int, D: int):
         return s, s.new_ones(B, G, D)
     if granularity == "channel":
         return s.new_ones(B, G, M), s
+    if granularity == "channel_group":
+        return s.new_ones(B, G, M), s.new_ones(B, G, D)
     return s[:, :, None].expand(B, G, M), s.new_ones(B, G, D)
+
+
+def _group_scales(scale: torch.Tensor, granularity: str) -> torch.Tensor | None:
+    """``"channel_group"`` scales [B, G, groups, D] as float32 factors (zero: 1, as
+    :func:`~unicache_train.seam.dequantize`); None for the other granularities."""
+    if granularity != "channel_group":
+        return None
+    s = scale.float()
+    return torch.where(s > 0, s, torch.ones_like(s))
 
 
 def _seg_logits(q: torch.Tensor, data: torch.Tensor, bits: int) -> torch.Tensor:
@@ -156,6 +199,59 @@ def _seg_values(p: torch.Tensor, data: torch.Tensor, bits: int) -> torch.Tensor:
         return torch.matmul(p, data.float())
     ve, vo = unpack_pairs(data, bits)
     return torch.stack([torch.matmul(p, ve), torch.matmul(p, vo)], -1).flatten(-2)
+
+
+def _whole_groups(
+    data: torch.Tensor, bits: int, groups: int, group: int
+) -> list[tuple[torch.Tensor, slice]]:
+    """Packed ``data [..., M, Dp]`` unpacked into float32 feature sets ``[..., groups, group,
+    w]`` (int8: one set of all ``D`` features; int4: the even and the odd ``D/2``,
+    :func:`unpack_pairs`) with the features each holds. The packed bytes are padded with zero
+    rows to whole groups first (a copy of the bytes, not of floats), so every view is
+    contiguous and each matmul below runs as one BLAS batch."""
+    pad = groups * group - data.shape[-2]
+    if pad:
+        data = F.pad(data, (0, 0, 0, pad))  # zero bytes: zero integers in both nibbles
+    if bits == 8:
+        return [(data.float().unflatten(-2, (groups, group)), slice(None))]
+    ke, ko = unpack_pairs(data, bits)
+    return [
+        (ke.unflatten(-2, (groups, group)), slice(0, None, 2)),
+        (ko.unflatten(-2, (groups, group)), slice(1, None, 2)),
+    ]
+
+
+def _seg_logits_grouped(
+    q: torch.Tensor, data: torch.Tensor, bits: int, scale: torch.Tensor, group: int
+) -> torch.Tensor:
+    """:func:`_seg_logits` of keys with grouped channel scales: ``q [..., n, D]``, ``data
+    [..., M, Dp]``, ``scale [..., groups, D]`` (``groups = ceil(M / group)``) -> ``[..., n,
+    M]``. The query is scaled by each group's channel scales (``[..., groups, n, D]``) and
+    dotted with that group's ``group`` entries, all groups in one batched matmul."""
+    M, groups = data.shape[-2], scale.shape[-2]
+    logits = None
+    for kf, sel in _whole_groups(data, bits, groups, group):
+        qg = q[..., sel].unsqueeze(-3) * scale[..., sel].unsqueeze(-2)  # [..., groups, n, w]
+        lg = torch.matmul(qg, kf.transpose(-1, -2))  # [..., groups, n, group]
+        logits = lg if logits is None else logits.add_(lg)
+    assert logits is not None
+    return logits.transpose(-3, -2).flatten(-2)[..., :M]  # [..., n, M]
+
+
+def _seg_values_grouped(
+    p: torch.Tensor, data: torch.Tensor, bits: int, scale: torch.Tensor, group: int
+) -> torch.Tensor:
+    """:func:`_seg_values` of values with grouped channel scales: ``p [..., n, M]``, ``data
+    [..., M, Dp]``, ``scale [..., groups, D]`` -> ``[..., n, D]``: each group's partial output
+    (all groups in one batched matmul) times its channel scales, summed over the groups."""
+    M, groups = p.shape[-1], scale.shape[-2]
+    pg = F.pad(p, (0, groups * group - M)).unflatten(-1, (groups, group))  # [.., n, groups, group]
+    pg = pg.transpose(-3, -2).contiguous()  # [..., groups, n, group]
+    outs = []
+    for vf, sel in _whole_groups(data, bits, groups, group):
+        part = torch.matmul(pg, vf)  # [..., groups, n, w]
+        outs.append(part.mul_(scale[..., sel].unsqueeze(-2)).sum(-3))  # [..., n, w]
+    return outs[0] if len(outs) == 1 else torch.stack(outs, -1).flatten(-2)
 
 
 def decode_attention_packed(
@@ -179,7 +275,9 @@ def decode_attention_packed(
     per-entry scales folded into the softmax weights and channel scales into the query (keys) or
     the output (values). Nothing segment-sized is kept between steps, and no ``[B, H, M, D]``
     spread copy or ``[segment ; decoded]`` concatenation is made: the decoded tokens join through
-    the online-softmax combine (one max, one denominator).
+    the online-softmax combine (one max, one denominator). K and V are read at their own
+    granularities; ``"channel_group"`` scales apply per group of entries
+    (:func:`_seg_logits_grouped`, :func:`_seg_values_grouped`).
 
     Same arguments and result as :func:`decode_attention_reference`; ``bias`` may pass a
     precomputed :func:`segment_bias` (a cache computes it once per prompt).
@@ -192,8 +290,11 @@ def decode_attention_packed(
     scale = D**-0.5 if scale is None else float(scale)
     if bias is None:
         bias = segment_bias(counts, valid)
-    k_tok, k_ch = _token_and_channel(quant.k_scale, quant.granularity, M, D)
-    v_tok, v_ch = _token_and_channel(quant.v_scale, quant.granularity, M, D)
+    kg, vg = quant.granularity, quant.v_granularity
+    k_tok, k_ch = _token_and_channel(quant.k_scale, kg, M, D)
+    v_tok, v_ch = _token_and_channel(quant.v_scale, vg, M, D)
+    k_grp, v_grp = _group_scales(quant.k_scale, kg), _group_scales(quant.v_scale, vg)
+    group = quant.group_size or 1  # entries per group of the [B, G, groups, D] grouped scales
     qg = q.float().reshape(B, Hk, R * T, D)  # [B, Hk, RT, D] query heads grouped per KV head
     identity = torch.arange(Hk, device=q.device)
     out = q.new_empty(B, Hk, R * T, D, dtype=torch.float32)
@@ -203,14 +304,21 @@ def decode_attention_packed(
         kd, vd = quant.k_data[b], quant.v_data[b]  # [G, M, Dp]
         if quant.k_data.shape[1] == Hk and bool((slot == identity).all()):
             groups = None  # one slot per head: one batched matmul over the heads
-            logits = _seg_logits(qs, kd, quant.bits)  # [Hk, RT, M]
+            if k_grp is None:
+                logits = _seg_logits(qs, kd, quant.bits)  # [Hk, RT, M]
+            else:
+                logits = _seg_logits_grouped(qs, kd, quant.bits, k_grp[b], group)
             logits.mul_(k_tok[b][:, None, :])
         else:  # merged heads: the heads of a slot read its rows once, in one matmul
             groups = [(g, (slot == g).nonzero().flatten()) for g in slot.unique().tolist()]
             logits = qs.new_empty(Hk, R * T, M)
             for g, heads in groups:
                 rows = qs.index_select(0, heads).reshape(-1, D)  # [n * RT, D]
-                lg = _seg_logits(rows, kd[g], quant.bits).mul_(k_tok[b, g])
+                if k_grp is None:
+                    lg = _seg_logits(rows, kd[g], quant.bits)
+                else:
+                    lg = _seg_logits_grouped(rows, kd[g], quant.bits, k_grp[b, g], group)
+                lg.mul_(k_tok[b, g])
                 logits[heads] = lg.view(len(heads), R * T, M)
         logits.add_(bias[b])
         mx = logits.amax(-1)  # [Hk, RT]
@@ -227,12 +335,19 @@ def decode_attention_packed(
         ob = out[b]
         if groups is None:
             p.mul_(v_tok[b][:, None, :])  # per-entry value scales fold into the weights
-            ob.copy_(_seg_values(p, vd, quant.bits).mul_(v_ch[b][:, None, :]))
+            if v_grp is None:
+                pv = _seg_values(p, vd, quant.bits)
+            else:
+                pv = _seg_values_grouped(p, vd, quant.bits, v_grp[b], group)
+            ob.copy_(pv.mul_(v_ch[b][:, None, :]))
         else:
             for g, heads in groups:
                 rows = p.index_select(0, heads).mul_(v_tok[b, g]).reshape(-1, M)
-                og = _seg_values(rows, vd[g], quant.bits).mul_(v_ch[b, g])  # [n * RT, D]
-                ob[heads] = og.view(len(heads), R * T, D)
+                if v_grp is None:
+                    og = _seg_values(rows, vd[g], quant.bits)  # [n * RT, D]
+                else:
+                    og = _seg_values_grouped(rows, vd[g], quant.bits, v_grp[b, g], group)
+                ob[heads] = og.mul_(v_ch[b, g]).view(len(heads), R * T, D)
         if ld is not None:
             pd = ld.sub_(mx[..., None]).exp_()  # [Hk, RT, S]
             den = den + pd.sum(-1)
@@ -258,8 +373,10 @@ def decode_attention(
     """Decode attention over ``[packed segment ; decoded tokens]`` (module docstring).
 
     Args:
-        backend: ``"auto"`` (Triton on CUDA, ``"packed"`` elsewhere), ``"triton"`` (raises
-            without CUDA or Triton), ``"packed"`` (:func:`decode_attention_packed`),
+        backend: ``"auto"`` (Triton on CUDA where :func:`triton_reads` the segment's scales,
+            ``"packed"`` elsewhere: on CPU, and on CUDA for split K/V granularities or
+            ``"channel_group"``), ``"triton"`` (raises without CUDA or Triton, or for scales
+            the kernel does not read), ``"packed"`` (:func:`decode_attention_packed`),
             ``"torch"`` (the reference: dequantizes the whole segment).
         bias: optional precomputed :func:`segment_bias` [B, M].
 
@@ -269,7 +386,9 @@ def decode_attention(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
     if backend == "auto":
-        backend = "triton" if q.is_cuda else "packed"
+        backend = "triton" if q.is_cuda and triton_reads(quant) else "packed"
+    if backend == "triton" and not triton_reads(quant):
+        raise ValueError(f"decode_attention(backend='triton'): {triton_refusal(quant)}")
     if backend == "torch":
         return decode_attention_reference(q, quant, head_map, counts, valid, k_dec, v_dec, scale)
     if backend == "packed":
