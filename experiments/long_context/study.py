@@ -69,9 +69,18 @@ def records(study: dict, tok, split: str, n: int, seed: int) -> list[dict]:
 
 
 #: Plain int4 with one scale per (sample, head, feature) over the context (KIVI's per-channel
-#: keys, here for K and V alike) or per (sample, head): the scales' granularity alone, against
-#: ``int4``'s one scale per token, head and K/V.
-INT4_SCALES = {"int4_channel": "channel", "int4_head": "head"}
+#: keys, here for K and V alike), per (sample, head), or KIVI's split (keys per feature in groups
+#: of 32 tokens, values per token; added after the other rows): the scales' granularity alone,
+#: against ``int4``'s one scale per token, head and K/V.
+INT4_SCALES = {
+    "int4_channel": {"granularity": "channel"},
+    "int4_head": {"granularity": "head"},
+    "int4_kivi": {
+        "key_granularity": "channel_group",
+        "value_granularity": "token_head",
+        "group_size": 32,
+    },
+}
 
 
 #: A method name ending so (``attention_global``) ranks its scores over all layers at once.
@@ -88,7 +97,7 @@ def compressor(method: str, rate: float, scorer=None):
         from unicache_train.compress.config import UniCacheConfig
 
         d = unicache_at_rate(presets.sinks_recent(), 0.0, "int4").to_dict()
-        d["quantize"]["granularity"] = INT4_SCALES[method]
+        d["quantize"].update(INT4_SCALES[method])
         return UniCacheCompressor(UniCacheConfig.from_dict(d))
     if method == "none":
         from unicache_train.seam import IdentityCompressor
@@ -745,7 +754,7 @@ def table(study: dict) -> None:
                 }
             )
 
-    anchors = [m for m in study["methods"] if m != "attention"]
+    anchors = [m for m in study["methods"] if m.removesuffix(GLOBAL_SUFFIX) != "attention"]
     models = sorted({m for m, _ in cells})
     modes = sorted({_mode_prefix(n) for _, n in cells})
     for model, mode in ((m, p) for m in models for p in modes):
@@ -758,6 +767,14 @@ def table(study: dict) -> None:
             )
             for name in names:
                 pair("scorer vs anchor", (model, f"{mode}attention@{red}"), (model, name))
+                glob = (model, f"{mode}attention{GLOBAL_SUFFIX}@{red}")
+                if not name.split(":")[-1].startswith("snapkv" + GLOBAL_SUFFIX):
+                    pair("scorer, one budget over layers, vs anchor", glob, (model, name))
+            for m in study["methods"]:  # ours: the same scores, one budget vs per layer
+                if m.endswith(GLOBAL_SUFFIX):
+                    per_layer = (model, f"{mode}{m.removesuffix(GLOBAL_SUFFIX)}@{red}")
+                    glob = (model, f"{mode}{m}@{red}")
+                    pair("ablation: one budget for all layers vs per layer", glob, per_layer)
     for model in models:  # int4's scales at another granularity, the same 4-bit codes
         for name in INT4_SCALES:
             pair("int4 scales: another granularity vs per token", (model, name), (model, "int4"))
