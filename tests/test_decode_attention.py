@@ -92,14 +92,9 @@ def test_dispatch_refuses_unknown_and_unavailable_backends():
         decode_attention_packed(q[:, :5], quant, head_map, counts, valid, kd, vd)
 
 
-@pytest.mark.parametrize("path", ["packed", "int8", "buffer"])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_cache_attend_equals_reference_path_over_many_steps(path, bits):
-    """CompressedKVCache.attend (decoded tokens appended in place, capacity grown past its
-    first 64 slots) == update + attention_bias + SDPA, step after step; the held decoded
-    tokens and the byte counts agree too."""
-    quant, head_map, counts, valid = make_segment(bits=bits, M=21, D=16)
-    seg = StoredSegment(
+def stored_segment(quant, head_map, counts, valid) -> StoredSegment:
+    """The two-sample, D = 16 packed segment of the cache tests (30 context tokens each)."""
+    return StoredSegment(
         head_map=head_map,
         groups=torch.tensor([3, 2]),
         quant=quant,
@@ -111,6 +106,16 @@ def test_cache_attend_equals_reference_path_over_many_steps(path, bits):
         value_dim=16,
         context_tokens=torch.tensor([30, 30]),
     )
+
+
+@pytest.mark.parametrize("path", ["packed", "int8", "buffer"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cache_attend_equals_reference_path_over_many_steps(path, bits):
+    """CompressedKVCache.attend (decoded tokens appended in place, capacity grown past its
+    first 64 slots) == update + attention_bias + SDPA, step after step; the held decoded
+    tokens and the byte counts agree too."""
+    quant, head_map, counts, valid = make_segment(bits=bits, M=21, D=16)
+    seg = stored_segment(quant, head_map, counts, valid)
     fast = CompressedKVCache(1, decode_path=path)
     ref = CompressedKVCache(1, decode_path="reference")
     packed = CompressedKVCache(1, decode_path="packed")  # the working-bytes yardstick

@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from test_decode_attention import stored_segment  # tests/ is on sys.path under pytest
 
 from unicache_train.compress import UniCacheCompressor, UniCacheConfig
 from unicache_train.compress.config import QuantizeConfig
@@ -21,7 +22,7 @@ from unicache_train.compress.presets import text_style_baseline
 from unicache_train.compress.quantize import Quantize, quantize_symmetric
 from unicache_train.compress.state import CompressionState
 from unicache_train.compress.testing import make_input
-from unicache_train.model.compressed_cache import CompressedKVCache, StoredSegment
+from unicache_train.model.compressed_cache import CompressedKVCache
 from unicache_train.ops.decode_attention import (
     TRITON_GRANULARITIES,
     decode_attention,
@@ -465,18 +466,7 @@ def test_cache_attend_equals_the_reference_path(path, bits):
     quant, head_map, counts, valid = make_split_segment(
         "channel_group", "token_head", 8, M=21, D=16, bits=bits
     )
-    seg = StoredSegment(
-        head_map=head_map,
-        groups=torch.tensor([3, 2]),
-        quant=quant,
-        keys=None,
-        values=None,
-        counts=counts,
-        valid=valid,
-        key_dim=16,
-        value_dim=16,
-        context_tokens=torch.tensor([30, 30]),
-    )
+    seg = stored_segment(quant, head_map, counts, valid)
     fast = CompressedKVCache(1, decode_path=path)
     ref = CompressedKVCache(1, decode_path="reference")
     for cache in (fast, ref):
