@@ -121,8 +121,7 @@ def fit_layer_rates(
         state = prefix(new_state(inp, target))
         cols.append(scorer.global_scores(state).float())  # type: ignore[attr-defined]
     scores = torch.stack(cols, 1)  # [B, L, T]
-    rate = torch.full((mask.shape[0],), float(target), device=mask.device)
-    drops = global_drop_counts(scores, mask, rate.clamp(0.0, MAX_RATE))
+    rate = torch.full((mask.shape[0],), min(max(float(target), 0.0), MAX_RATE), device=mask.device)
+    drops = global_drop_counts(scores, mask, rate)
     n = mask.sum(1).clamp_min(1).float()
-    rates = {layer: drops[:, i].float() / n for i, layer in enumerate(layers)}
-    return LayerRates(rates=rates, target=rate)
+    return LayerRates({layer: drops[:, i].float() / n for i, layer in enumerate(layers)})

@@ -39,11 +39,9 @@ class LayerRates:
 
     Attributes:
         rates: layer -> [B] float32, the fraction of that layer's context tokens to remove.
-        target: [B] the rate over all layers together that the ranking met.
     """
 
     rates: dict[int, torch.Tensor]
-    target: torch.Tensor
 
 
 def cosine_curve(num_layers: int, shallow: float, deep: float) -> list[float]:
