@@ -162,6 +162,43 @@ def test_the_long_context_study_labels_another_data_order_and_pairs_by_seed():
     assert study_py._control_of("compress_seed2", models) is None
 
 
+def test_the_global_arm_differs_from_the_compress_arm_only_in_its_budget():
+    """``compress_global``: the compress arm's run with one budget over all layers in the loop, at
+    ``attention_global@16``'s calibrated rate (the same measured bytes), its compressor
+    cross-layer; a made-up arm names the allowed ones; the global arm pairs with the control of
+    its seed."""
+    from unicache_train.compress.attention_scorer import read_attention_scorer
+    from unicache_train.inloop import build_compressor
+    from unicache_train.train.config import RunConfig
+
+    study_py = _study_module()
+    study = study_py.load_study(ROOT / "experiments" / "long_context" / "study.yaml")
+    cal = json.loads((ROOT / "experiments" / "long_context" / "calibration.json").read_text())
+    per_layer = run_mapping(study_py.finetune_spec(study, "compress", 1, data_seed=1), "MIX")
+    spec = study_py.finetune_spec(study, "compress_global", 1, data_seed=1)
+    got = run_mapping(spec, "MIX")
+    assert spec.out_dir.endswith("compress_global_seed1_data1")
+    uc = got["compress"].pop("unicache")
+    assert uc == {
+        "target_rate": cal["attention_global@16"]["rate"],
+        "quantize": {"bits": 4},
+        "schedule": {"global_budget": True},
+    }
+    per_layer["compress"].pop("unicache")
+    got["train"]["out_dir"] = per_layer["train"]["out_dir"]
+    assert got == per_layer
+    cfg = RunConfig.from_dict(run_mapping(spec, "MIX"))
+    scorer = read_attention_scorer(cfg.compress.attention_scorer, (30, 3, 64))
+    compressor = build_compressor(cfg.compress, attention_scorer=scorer)
+    assert compressor.cross_layer and compressor.target_rate == uc["target_rate"]
+    with pytest.raises(ConfigError, match="compress, compress_global, control"):
+        study_py.finetune_spec(study, "compressed", 0)
+    models = ["base", "compress_global_seed0", "compress_global_seed1_data1", "control_seed0"]
+    models.append("control_seed1_data1")
+    assert study_py._control_of("compress_global_seed1_data1", models) == "control_seed1_data1"
+    assert study_py._control_of("compress_global_seed0", models) == "control_seed0"
+
+
 def _tiny_hf(path: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig

@@ -420,30 +420,44 @@ def run_label(study: dict, arm: str, seed: int, data_seed: int | None = None) ->
     return f"{arm}_seed{seed}{suffix}"
 
 
+#: The fine-tuned arms: the scorer + int4 in the loop with a budget per layer (``compress``) or
+#: one budget over all layers (``compress_global``), and the control (nothing compressed).
+FINETUNE_ARMS = ("compress", "compress" + GLOBAL_SUFFIX, "control")
+
+
 def finetune_spec(study: dict, arm: str, seed: int, data_seed: int | None = None):
     """The :class:`~unicache_train.train.finetune.FinetuneSpec` of one arm and seed, from the
     frozen ``finetune`` section: the compression-aware fine-tune (``compress``: the fitted scorer
     + int4 in the loop at the ``finetune.reduction`` setting's calibrated rate, the keep ratio
-    ramped from 1 over ``curriculum_steps``, KL to the uncompressed forward on the answer) or its
-    control (``control``: the same data, splits, steps and loss, nothing compressed).
+    ramped from 1 over ``curriculum_steps``, KL to the uncompressed forward on the answer; with
+    ``compress_global`` the scorer ranks over all layers at once, at ``attention_global``'s rate)
+    or its control (``control``: the same data, splits, steps and loss, nothing compressed).
     ``data_seed`` (None: the pinned ``finetune.data_seed``) orders the data; ``seed`` seeds the
     rest (``train.seed``, ``compress.seed``)."""
     from unicache_train.train.finetune import FinetuneSpec
     from unicache_train.validation import ConfigError
 
-    if arm not in ("compress", "control"):
-        raise ConfigError(f"finetune --arm={arm!r} is not allowed; choose one of compress, control")
+    if arm not in FINETUNE_ARMS:
+        raise ConfigError(
+            f"finetune --arm={arm!r} is not allowed; choose one of {', '.join(FINETUNE_ARMS)}"
+        )
     ft = study["finetune"]
     cal = json.loads((HERE / "calibration.json").read_text())
-    rate = cal[f"attention@{ft['reduction']}"]["rate"]
     compress = {"enabled": True, "method": "none"}
-    if arm == "compress":
+    if arm != "control":
+        # compress_global: the scorer ranks over all layers at once (schedule.global_budget),
+        # at that setting's own calibrated rate (the same measured bytes as attention@16's)
+        glob = arm == "compress" + GLOBAL_SUFFIX
+        setting = f"attention{GLOBAL_SUFFIX if glob else ''}@{ft['reduction']}"
+        unicache = {"target_rate": cal[setting]["rate"], "quantize": {"bits": 4}}
+        if glob:
+            unicache["schedule"] = {"global_budget": True}
         compress = {
             "enabled": True,
             "method": "unicache",
             "preset": "attention",
             "attention_scorer": str(HERE / "scorer.safetensors"),
-            "unicache": {"target_rate": rate, "quantize": {"bits": 4}},
+            "unicache": unicache,
         }
     return FinetuneSpec.from_dict(
         {
@@ -655,7 +669,8 @@ def _control_of(model: str, models: list[str]) -> str | None:
 def _pooled_tests(cells: dict) -> list[dict]:
     """The fine-tuned arms pooled over their training seeds, clustered by prompt (exact
     sign-flip, :func:`~unicache_train.eval.stats.sign_flip_clustered`): compress vs control, and
-    each arm vs the base, on every setting that all the seeds of both sides have."""
+    each arm vs the base, on every setting that all the seeds of both sides have (the
+    ``compress_global`` arm also against the per-layer ``compress`` arm)."""
     from unicache_train.eval.stats import sign_flip_clustered
 
     def seeds_of(arm: str) -> list[str]:
@@ -667,7 +682,9 @@ def _pooled_tests(cells: dict) -> list[dict]:
 
     out = []
     settings = sorted({name for _, name in cells})
+    glob = "compress" + GLOBAL_SUFFIX
     pairs = [("compress", "control"), ("compress", "base"), ("control", "base")]
+    pairs += [(glob, "control"), (glob, "base"), (glob, "compress")]
     for arm_a, arm_b in pairs:
         for name in settings:
             a_models = [m for m in seeds_of(arm_a) if (m, name) in cells]
