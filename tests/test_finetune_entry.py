@@ -296,12 +296,14 @@ def test_cli_finetune_bad_spec_is_one_line(tmp_path, capsys):
 
 
 def test_the_long_context_demo_is_the_studys_spec_made_short(tmp_path):
-    """make demo's fine-tunes: the study's seed-0 spec of each arm with the demo's steps, the ramp
-    over the first half, warmup and checkpoint within the run; nothing else changed."""
+    """make demo's fine-tunes: the study's seed-0 spec of each arm (the compress label runs the
+    arm with one budget over all layers) with the demo's steps, the ramp over the first half,
+    warmup and checkpoint within the run; nothing else changed."""
     study_py = _study_module()
     study = study_py.load_study(ROOT / "experiments" / "long_context" / "study.yaml")
-    for arm in ("compress", "control"):
-        full = study_py.finetune_spec(study, arm, 0).to_dict()
+    assert study_py.DEMO_ARMS == {"compress": "compress_global", "control": "control"}
+    for arm, study_arm in study_py.DEMO_ARMS.items():
+        full = study_py.finetune_spec(study, study_arm, 0).to_dict()
         short = study_py.demo_spec(study, arm, 12, tmp_path).to_dict()
         assert short["steps"] == 12 and short["out_dir"] == str(tmp_path / arm)
         assert short["run"]["train"]["checkpoint_every_n_steps"] == 12
