@@ -15,6 +15,7 @@ from unicache_train.data.tokenizer import ByteTokenizer
 from unicache_train.eval import RecallTask, recall_records
 from unicache_train.eval.recall import run_recall, run_recall_stepwise, write_predictions
 from unicache_train.eval.stats import (
+    drop_difference_clustered,
     format_p,
     mcnemar_exact,
     paired_bootstrap_ppl,
@@ -273,3 +274,53 @@ def test_prompts_written_for_another_harness_run_back_to_the_same_predictions(tm
         write_prompts([{k: v for k, v in recs[0].items() if k != "id"}], tmp_path / "x.jsonl")
     with pytest.raises(ValueError, match="ids repeat"):
         write_prompts([recs[0], recs[0]], tmp_path / "y.jsonl")
+
+
+# ------------------------------------------------------------------------------ drop difference
+def _brute_force_drop_difference(af, ac, bf, bc) -> float:
+    # Written apart from the library: swap the arms on every subset of prompts (all seeds and
+    # both settings at once) and recompute the total difference of the drops.
+    n, k = len(af[0]), len(af)
+
+    def total(swapped):
+        t = 0
+        for i in range(n):
+            xa, xb = ((bf, bc), (af, ac)) if swapped[i] else ((af, ac), (bf, bc))
+            for s in range(k):
+                t += (int(xa[0][s][i]) - int(xa[1][s][i])) - (int(xb[0][s][i]) - int(xb[1][s][i]))
+        return t
+
+    t = abs(total([False] * n))
+    swaps = list(itertools.product((False, True), repeat=n))
+    return sum(abs(total(sw)) >= t for sw in swaps) / len(swaps)
+
+
+@pytest.mark.parametrize("seeds", [1, 2])
+def test_drop_difference_equals_brute_force_enumeration(seeds):
+    rng = random.Random(10 + seeds)
+    for _ in range(6):
+        af, bf = _random_seeds(rng, seeds, 11)
+        ac = [[x and rng.random() < 0.6 for x in s] for s in af]
+        bc = [[x and rng.random() < 0.8 for x in s] for s in bf]
+        t = drop_difference_clustered(af, ac, bf, bc)
+        assert t.p_value == pytest.approx(_brute_force_drop_difference(af, ac, bf, bc), rel=1e-12)
+
+
+def test_drop_difference_by_hand():
+    """Four prompts, one seed. A is right uncompressed on all and keeps 1 compressed (drop 3);
+    B is right on 2 and keeps both (drop 0): d = (0, 1, 1, 1), 3 prompts favour B, p = 2/8.
+    An arm ahead everywhere by the same margin has the same drop: p = 1."""
+    af, ac = [[1, 1, 1, 1]], [[1, 0, 0, 0]]
+    bf, bc = [[1, 1, 0, 0]], [[1, 1, 0, 0]]
+    t = drop_difference_clustered(af, ac, bf, bc)
+    assert (t.a_drop, t.b_drop, t.favour_a, t.favour_b) == (3, 0, 0, 3)
+    assert t.p_value == pytest.approx(2 / 8)
+    same = drop_difference_clustered([[1, 1, 0]], [[1, 0, 0]], [[1, 1, 1]], [[1, 0, 1]])
+    assert same.a_drop == same.b_drop == 1 and same.p_value == 1.0
+
+
+def test_drop_difference_names_bad_shapes():
+    with pytest.raises(ValueError, match="same number"):
+        drop_difference_clustered([[1]], [[1]], [[1]], [])
+    with pytest.raises(ValueError, match="lengths"):
+        drop_difference_clustered([[1, 0]], [[1]], [[1, 0]], [[1, 0]])

@@ -719,12 +719,69 @@ def _pooled_tests(cells: dict) -> list[dict]:
     return out
 
 
+def _drop_tests(cells: dict) -> list[dict]:
+    """What compression costs each fine-tuned arm against the control and the base, pooled over
+    seeds and clustered by prompt (:func:`~unicache_train.eval.stats.drop_difference_clustered`):
+    per compressed setting, the arm's uncompressed hits minus its compressed hits against the
+    other's, so an arm better everywhere by the same margin does not count as tolerating
+    compression better. Query-agnostic settings only (the other modes have their own ``none``)."""
+    from unicache_train.eval.stats import drop_difference_clustered
+
+    def seeds_of(arm: str) -> list[str]:
+        return sorted({m for m, _ in cells if m.startswith(f"{arm}_seed")})
+
+    def column(model: str, name: str) -> list[bool]:
+        rows = sorted(cells[(model, name)], key=lambda r: r["id"])
+        return [bool(r["correct"]) for r in rows]
+
+    out = []
+    glob = "compress" + GLOBAL_SUFFIX
+    pairs = [(glob, "control"), ("compress", "control"), (glob, "base"), ("control", "base")]
+    for arm_a, arm_b in pairs:
+        names = sorted({n for _, n in cells if n != "none" and _mode_prefix(n) == ""})
+        for name in names:
+            a_models = [m for m in seeds_of(arm_a) if (m, name) in cells and (m, "none") in cells]
+            if arm_b == "base":
+                b_models = ["base"] * len(a_models)
+            else:
+                b_models = [m for m in seeds_of(arm_b) if (m, name) in cells]
+                b_models = [m for m in b_models if (m, "none") in cells]
+            if not a_models or len(b_models) != len(a_models) or ("base", name) not in cells:
+                continue
+            t = drop_difference_clustered(
+                [column(m, "none") for m in a_models],
+                [column(m, name) for m in a_models],
+                [column(m, "none") for m in b_models],
+                [column(m, name) for m in b_models],
+            )
+            out.append(
+                {
+                    "comparison": "drop under compression, pooled over seeds, clustered by prompt",
+                    "a": f"{arm_a} seeds {len(a_models)} {name}",
+                    "b": f"{arm_b} {name}" if arm_b == "base" else f"{arm_b} seeds {name}",
+                    "n": t.prompts,
+                    "hits_a": t.a_compressed,
+                    "hits_b": t.b_compressed,
+                    "full_a": t.a_full,
+                    "full_b": t.b_full,
+                    "drop_a": t.a_drop,
+                    "drop_b": t.b_drop,
+                    "only_a": t.favour_a,
+                    "only_b": t.favour_b,
+                    "p_mcnemar": t.p_value,
+                }
+            )
+    return out
+
+
 def table(study: dict) -> None:
     """results.csv (a row per model and setting), tests.csv (exact McNemar on the same
     prompts: the scorer against each anchor at the same reduction, per model; the fine-tuned
     arms against the base and the control of the same seed with the same setting; pooled over
     seeds, clustered by prompt, where two seeds exist: ``p_mcnemar`` is then the sign-flip
-    test's p), from raw/*.jsonl only."""
+    test's p; what compression costs each fine-tuned arm against the control's and the base's
+    cost, :func:`_drop_tests`, its ``only_a``/``only_b`` the prompts favouring each), from
+    raw/*.jsonl only."""
     from unicache_train.eval.stats import wilson_interval
 
     cells = _cells(HERE / "raw")
@@ -827,6 +884,7 @@ def table(study: dict) -> None:
                 if other != model:
                     pair("fine-tune vs reference", (model, name), (other, name))
     tests += _pooled_tests(cells)
+    tests += _drop_tests(cells)
     for r in ppl_table(study):
         print(r)
     if tests:

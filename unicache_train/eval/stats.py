@@ -12,6 +12,11 @@
   the test is the prompt: its summed difference over the seeds, whose sign is flipped at random
   under the null (a randomization test, Fisher 1935; for clustered data, e.g. Gail et al., Stat.
   Med. 15 (1996)). Computed exactly; with one seed it is the exact McNemar test.
+- :func:`drop_difference_clustered`: does compression cost arm A fewer answers than arm B? Per
+  prompt, each arm's drop (its uncompressed hits minus its compressed hits, summed over the
+  seeds), and the sign-flip test of the difference of the two drops, clustered by prompt as
+  above. An arm that is better everywhere (uncompressed too) is not called more tolerant of
+  compression by this test; it is by a comparison of compressed accuracies alone.
 - :func:`paired_bootstrap_ppl`: the perplexity change between two runs on the **same** text
   blocks, with a percentile interval from resampling blocks (both runs take the same resampled
   blocks). Efron & Tibshirani, An Introduction to the Bootstrap (1993), ch. 13.
@@ -31,7 +36,9 @@ __all__ = [
     "ClusteredPaired",
     "McNemar",
     "PairedPPL",
+    "DropDifference",
     "binomial_stderr",
+    "drop_difference_clustered",
     "format_p",
     "mcnemar_exact",
     "paired_bootstrap_ppl",
@@ -201,16 +208,7 @@ def sign_flip_clustered(
             f"got lengths {lengths}"
         )
     d = [sum(bool(y[i]) - bool(x[i]) for x, y in zip(a, b)) for i in range(n)]  # [n]
-    t_obs = abs(sum(d))
-    # Distribution of Σ s_i |d_i|: for each magnitude v held by c prompts, v (2j - c) with
-    # weight C(c, j); convolve over the magnitudes. {sum: number of sign vectors}.
-    dist = {0: 1}
-    for v in sorted({abs(x) for x in d if x}):
-        c = sum(1 for x in d if abs(x) == v)
-        step = {v * (2 * j - c): math.comb(c, j) for j in range(c + 1)}
-        dist = _convolve(dist, step)
-    total = sum(dist.values())  # 2^m
-    p = sum(w for s, w in dist.items() if abs(s) >= t_obs) / total
+    p = _sign_flip_p(d)
     only_a = sum(1 for x, y in zip(a, b) for i in range(n) if x[i] and not y[i])
     only_b = sum(1 for x, y in zip(a, b) for i in range(n) if y[i] and not x[i])
     return ClusteredPaired(
@@ -223,6 +221,111 @@ def sign_flip_clustered(
         favour_a=sum(1 for x in d if x < 0),
         favour_b=sum(1 for x in d if x > 0),
         p_value=min(1.0, p),
+    )
+
+
+def _sign_flip_p(d: Sequence[int]) -> float:
+    """Exact two-sided sign-flip p of the integer per-prompt differences ``d``: the share of the
+    ``2^m`` sign vectors of the ``m`` non-zero ``d_i`` with ``|Σ s_i |d_i|| >= |Σ d_i|``."""
+    t_obs = abs(sum(d))
+    # Distribution of Σ s_i |d_i|: for each magnitude v held by c prompts, v (2j - c) with
+    # weight C(c, j); convolve over the magnitudes. {sum: number of sign vectors}.
+    dist = {0: 1}
+    for v in sorted({abs(x) for x in d if x}):
+        c = sum(1 for x in d if abs(x) == v)
+        step = {v * (2 * j - c): math.comb(c, j) for j in range(c + 1)}
+        dist = _convolve(dist, step)
+    total = sum(dist.values())  # 2^m
+    return min(1.0, sum(w for s, w in dist.items() if abs(s) >= t_obs) / total)
+
+
+@dataclass(frozen=True)
+class DropDifference:
+    """What compression costs two arms on the same prompts, tested with the prompt as the unit.
+
+    Attributes:
+        prompts: prompts answered by both arms, uncompressed and compressed, in every seed.
+        seeds: seeds per arm (seed ``k`` of A is paired with seed ``k`` of B).
+        a_full, a_compressed, b_full, b_compressed: hits over all (prompt, seed) pairs.
+        favour_a, favour_b: prompts on which A's drop summed over the seeds is smaller / larger
+            than B's (the prompts that enter the test).
+        p_value: two-sided exact sign-flip p of the difference of the drops (1.0 when no
+            prompt favours either arm).
+    """
+
+    prompts: int
+    seeds: int
+    a_full: int
+    a_compressed: int
+    b_full: int
+    b_compressed: int
+    favour_a: int
+    favour_b: int
+    p_value: float
+
+    @property
+    def a_drop(self) -> int:
+        """A's hits lost to compression (negative: compression helped)."""
+        return self.a_full - self.a_compressed
+
+    @property
+    def b_drop(self) -> int:
+        return self.b_full - self.b_compressed
+
+
+def drop_difference_clustered(
+    a_full: Sequence[Sequence[bool]],
+    a_compressed: Sequence[Sequence[bool]],
+    b_full: Sequence[Sequence[bool]],
+    b_compressed: Sequence[Sequence[bool]],
+) -> DropDifference:
+    """Exact sign-flip test that compression costs arm A as many answers as arm B.
+
+    Per prompt ``i``, ``drop_X,i = Σ_k (full_X,ki - compressed_X,ki)`` and
+    ``d_i = drop_A,i - drop_B,i`` (an integer in ``[-2K, 2K]``). Under the null that the arms
+    are exchangeable on every prompt (swapping A and B on a prompt, in all its seeds and both
+    settings at once, leaves the joint distribution unchanged), ``d_i`` is as likely as
+    ``-d_i``; the p is exact as in :func:`sign_flip_clustered`.
+
+    Args:
+        a_full, a_compressed, b_full, b_compressed: ``x[k][i]``: correctness of seed ``k`` on
+            prompt ``i`` (``[K][n]``); the same prompts in the same order everywhere.
+
+    Raises:
+        ValueError: no seed, no prompt, or lists of different lengths.
+    """
+    arms = (a_full, a_compressed, b_full, b_compressed)
+    if not a_full or any(len(x) != len(a_full) for x in arms):
+        raise ValueError(
+            "drop_difference_clustered: need the same number (>= 1) of seeds in all four; got "
+            f"{[len(x) for x in arms]}"
+        )
+    n = len(a_full[0])
+    lengths = [len(seed) for x in arms for seed in x]
+    if n == 0 or any(m != n for m in lengths):
+        raise ValueError(
+            "drop_difference_clustered: every seed needs the same non-empty prompts; got "
+            f"lengths {lengths}"
+        )
+
+    def drop(full, comp, i):
+        return sum(bool(f[i]) - bool(c[i]) for f, c in zip(full, comp))
+
+    d = [drop(a_full, a_compressed, i) - drop(b_full, b_compressed, i) for i in range(n)]
+
+    def hits(x):
+        return sum(map(bool, (v for seed in x for v in seed)))
+
+    return DropDifference(
+        prompts=n,
+        seeds=len(a_full),
+        a_full=hits(a_full),
+        a_compressed=hits(a_compressed),
+        b_full=hits(b_full),
+        b_compressed=hits(b_compressed),
+        favour_a=sum(1 for x in d if x < 0),
+        favour_b=sum(1 for x in d if x > 0),
+        p_value=_sign_flip_p(d),
     )
 
 
