@@ -514,7 +514,7 @@ def demo_spec(study: dict, arm: str, steps: int, out: Path):
 
 
 def demo(study: dict, out: Path, steps: int, n: int, keep_checkpoints: bool = False) -> list[dict]:
-    """The short, labelled version of the study's table (``make demo``, 11 minutes on 2 cores):
+    """The short, labelled version of the study's table (``make demo``, about 13 minutes on 2 cores):
     the base, a compression-aware fine-tune (the scorer with one budget over all layers in the
     loop, :data:`DEMO_ARMS`) and its control (``steps`` steps each instead of the
     study's 60, the same spec otherwise), each on the first ``n`` held-out prompts per family
