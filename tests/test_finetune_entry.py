@@ -199,6 +199,33 @@ def test_the_global_arm_differs_from_the_compress_arm_only_in_its_budget():
     assert study_py._control_of("compress_global_seed0", models) == "control_seed0"
 
 
+def test_the_long_context_table_pairs_seeds_by_seed_and_tests_drops():
+    """Pooled and drop tests pair seed k of one arm with seed k of the other: a seed missing on
+    one side drops out instead of shifting the pairing; the drop test against the control needs
+    no base cell; an arm better uncompressed and compressed by the same margin has the same
+    drop (p = 1)."""
+    study_py = _study_module()
+
+    def cell(model, setting, correct):
+        rows = [{"id": f"p{i}", "correct": c} for i, c in enumerate(correct)]
+        return {(model, setting): rows}
+
+    cells = {}
+    for model, full, comp in [
+        ("compress_global_seed0", [1, 1, 1, 0], [1, 1, 0, 0]),
+        ("compress_global_seed1_data1", [1, 1, 1, 1], [1, 1, 1, 0]),
+        ("control_seed1_data1", [1, 1, 0, 0], [1, 0, 0, 0]),
+    ]:
+        cells |= cell(model, "none", full) | cell(model, "x@16", comp)
+    pairs = study_py._seed_pairs(cells, "compress_global", "control", ["none", "x@16"])
+    assert pairs == [("compress_global_seed1_data1", "control_seed1_data1")]
+    assert study_py._pooled_tests(cells) == []  # one pair: nothing pooled
+    (drop,) = study_py._drop_tests(cells)
+    assert drop["a"] == "compress_global seeds 1 x@16" and drop["b"] == "control seeds x@16"
+    assert (drop["full_a"], drop["hits_a"], drop["full_b"], drop["hits_b"]) == (4, 3, 2, 1)
+    assert drop["drop_a"] == drop["drop_b"] == 1 and drop["p_mcnemar"] == 1.0
+
+
 def _tiny_hf(path: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig

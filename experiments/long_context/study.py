@@ -420,9 +420,11 @@ def run_label(study: dict, arm: str, seed: int, data_seed: int | None = None) ->
     return f"{arm}_seed{seed}{suffix}"
 
 
+#: The fine-tune arm with the scorer's one budget over all layers in the loop.
+GLOBAL_ARM = "compress" + GLOBAL_SUFFIX
 #: The fine-tuned arms: the scorer + int4 in the loop with a budget per layer (``compress``) or
-#: one budget over all layers (``compress_global``), and the control (nothing compressed).
-FINETUNE_ARMS = ("compress", "compress" + GLOBAL_SUFFIX, "control")
+#: one budget over all layers (:data:`GLOBAL_ARM`), and the control (nothing compressed).
+FINETUNE_ARMS = ("compress", GLOBAL_ARM, "control")
 
 
 def finetune_spec(study: dict, arm: str, seed: int, data_seed: int | None = None):
@@ -447,7 +449,7 @@ def finetune_spec(study: dict, arm: str, seed: int, data_seed: int | None = None
     if arm != "control":
         # compress_global: the scorer ranks over all layers at once (schedule.global_budget),
         # at that setting's own calibrated rate (the same measured bytes as attention@16's)
-        glob = arm == "compress" + GLOBAL_SUFFIX
+        glob = arm == GLOBAL_ARM
         setting = f"attention{GLOBAL_SUFFIX if glob else ''}@{ft['reduction']}"
         unicache = {"target_rate": cal[setting]["rate"], "quantize": {"bits": 4}}
         if glob:
@@ -493,7 +495,7 @@ def finetune(study: dict, arm: str, seed: int, data_seed: int | None = None) -> 
 #: claim's setting; with a budget per layer it keeps 3/200 at 16x, step 2 of the study).
 DEMO_SETTINGS = ("none", "int4", "sinks_recent@16", "attention_global@8", "attention_global@16")
 #: The demo's arms (its labels and folders) and the study's fine-tune arm each one runs.
-DEMO_ARMS = {"compress": "compress" + GLOBAL_SUFFIX, "control": "control"}
+DEMO_ARMS = {"compress": GLOBAL_ARM, "control": "control"}
 
 
 def demo_spec(study: dict, arm: str, steps: int, out: Path):
@@ -514,8 +516,8 @@ def demo_spec(study: dict, arm: str, steps: int, out: Path):
 
 
 def demo(study: dict, out: Path, steps: int, n: int, keep_checkpoints: bool = False) -> list[dict]:
-    """The short, labelled version of the study's table (``make demo``, about 13 minutes on 2 cores):
-    the base, a compression-aware fine-tune (the scorer with one budget over all layers in the
+    """The short, labelled version of the study's table (``make demo``, about 13 minutes on 2
+    cores): the base, a compression-aware fine-tune (the scorer with one budget over all layers in the
     loop, :data:`DEMO_ARMS`) and its control (``steps`` steps each instead of the
     study's 60, the same spec otherwise), each on the first ``n`` held-out prompts per family
     (a subset of the study's 200) at :data:`DEMO_SETTINGS`. Writes ``<out>/raw/*.jsonl`` (per
@@ -670,43 +672,58 @@ def _control_of(model: str, models: list[str]) -> str | None:
     return same[0] if same else None
 
 
-def _pooled_tests(cells: dict) -> list[dict]:
-    """The fine-tuned arms pooled over their training seeds, clustered by prompt (exact
-    sign-flip, :func:`~unicache_train.eval.stats.sign_flip_clustered`): compress vs control, and
-    each arm vs the base, on every setting that all the seeds of both sides have (the
-    ``compress_global`` arm also against the per-layer ``compress`` arm)."""
-    from unicache_train.eval.stats import sign_flip_clustered
+def _column(cells: dict, model: str, name: str) -> list[bool]:
+    """A cell's correctness in prompt order (id, then question index)."""
+    rows = sorted(cells[(model, name)], key=lambda r: (r["id"], r.get("question_index", 0)))
+    return [bool(r["correct"]) for r in rows]
+
+
+def _seed_pairs(cells: dict, arm_a: str, arm_b: str, names: list[str]) -> list[tuple[str, str]]:
+    """(A model, B model) for each training seed of ``arm_a`` that has every setting in
+    ``names``: B is the base, or ``arm_b``'s model of the same seed (its first label in sort
+    order, as :func:`_control_of`), which must have every setting too. Pairs by seed, so a seed
+    missing on one side drops out instead of shifting the pairing."""
 
     def seeds_of(arm: str) -> list[str]:
         return sorted({m for m, _ in cells if m.startswith(f"{arm}_seed")})
 
-    def column(model: str, name: str) -> list[bool]:
-        rows = sorted(cells[(model, name)], key=lambda r: (r["id"], r.get("question_index", 0)))
-        return [bool(r["correct"]) for r in rows]
+    def has(model: str) -> bool:
+        return all((model, n) in cells for n in names)
+
+    pairs = []
+    for a in filter(has, seeds_of(arm_a)):
+        same = [m for m in seeds_of(arm_b) if _seed_of(m) == _seed_of(a)]
+        b = "base" if arm_b == "base" else (same[0] if same else None)
+        if b is not None and has(b):
+            pairs.append((a, b))
+    return pairs
+
+
+def _pooled_tests(cells: dict) -> list[dict]:
+    """The fine-tuned arms pooled over their training seeds, clustered by prompt (exact
+    sign-flip, :func:`~unicache_train.eval.stats.sign_flip_clustered`): compress vs control, and
+    each arm vs the base, on every setting that two or more seeds of both sides have, paired by
+    seed (:func:`_seed_pairs`; the :data:`GLOBAL_ARM` also against the per-layer ``compress``
+    arm)."""
+    from unicache_train.eval.stats import sign_flip_clustered
 
     out = []
     settings = sorted({name for _, name in cells})
-    glob = "compress" + GLOBAL_SUFFIX
     pairs = [("compress", "control"), ("compress", "base"), ("control", "base")]
-    pairs += [(glob, "control"), (glob, "base"), (glob, "compress")]
+    pairs += [(GLOBAL_ARM, "control"), (GLOBAL_ARM, "base"), (GLOBAL_ARM, "compress")]
     for arm_a, arm_b in pairs:
         for name in settings:
-            a_models = [m for m in seeds_of(arm_a) if (m, name) in cells]
-            if len(a_models) < 2:
-                continue
-            if arm_b == "base":
-                b_models = ["base"] * len(a_models) if ("base", name) in cells else []
-            else:
-                b_models = [m for m in seeds_of(arm_b) if (m, name) in cells]
-            if len(b_models) != len(a_models):
+            seeds = _seed_pairs(cells, arm_a, arm_b, [name])
+            if len(seeds) < 2:
                 continue
             t = sign_flip_clustered(
-                [column(m, name) for m in a_models], [column(m, name) for m in b_models]
+                [_column(cells, a, name) for a, _ in seeds],
+                [_column(cells, b, name) for _, b in seeds],
             )
             out.append(
                 {
                     "comparison": "pooled over seeds, clustered by prompt",
-                    "a": f"{arm_a} seeds {len(a_models)} {name}",
+                    "a": f"{arm_a} seeds {len(seeds)} {name}",
                     "b": f"{arm_b} {name}" if arm_b == "base" else f"{arm_b} seeds {name}",
                     "n": t.prompts,
                     "hits_a": t.a_hits,
@@ -724,40 +741,29 @@ def _drop_tests(cells: dict) -> list[dict]:
     seeds and clustered by prompt (:func:`~unicache_train.eval.stats.drop_difference_clustered`):
     per compressed setting, the arm's uncompressed hits minus its compressed hits against the
     other's, so an arm better everywhere by the same margin does not count as tolerating
-    compression better. Query-agnostic settings only (the other modes have their own ``none``)."""
+    compression better. Paired by seed (:func:`_seed_pairs`); query-agnostic settings only (the
+    other modes have their own ``none``)."""
     from unicache_train.eval.stats import drop_difference_clustered
 
-    def seeds_of(arm: str) -> list[str]:
-        return sorted({m for m, _ in cells if m.startswith(f"{arm}_seed")})
-
-    def column(model: str, name: str) -> list[bool]:
-        rows = sorted(cells[(model, name)], key=lambda r: r["id"])
-        return [bool(r["correct"]) for r in rows]
-
     out = []
-    glob = "compress" + GLOBAL_SUFFIX
-    pairs = [(glob, "control"), ("compress", "control"), (glob, "base"), ("control", "base")]
+    names = sorted({n for _, n in cells if n != "none" and _mode_prefix(n) == ""})
+    pairs = [(GLOBAL_ARM, "control"), ("compress", "control"), (GLOBAL_ARM, "base")]
+    pairs.append(("control", "base"))
     for arm_a, arm_b in pairs:
-        names = sorted({n for _, n in cells if n != "none" and _mode_prefix(n) == ""})
         for name in names:
-            a_models = [m for m in seeds_of(arm_a) if (m, name) in cells and (m, "none") in cells]
-            if arm_b == "base":
-                b_models = ["base"] * len(a_models)
-            else:
-                b_models = [m for m in seeds_of(arm_b) if (m, name) in cells]
-                b_models = [m for m in b_models if (m, "none") in cells]
-            if not a_models or len(b_models) != len(a_models) or ("base", name) not in cells:
+            seeds = _seed_pairs(cells, arm_a, arm_b, ["none", name])
+            if not seeds:
                 continue
             t = drop_difference_clustered(
-                [column(m, "none") for m in a_models],
-                [column(m, name) for m in a_models],
-                [column(m, "none") for m in b_models],
-                [column(m, name) for m in b_models],
+                [_column(cells, a, "none") for a, _ in seeds],
+                [_column(cells, a, name) for a, _ in seeds],
+                [_column(cells, b, "none") for _, b in seeds],
+                [_column(cells, b, name) for _, b in seeds],
             )
             out.append(
                 {
                     "comparison": "drop under compression, pooled over seeds, clustered by prompt",
-                    "a": f"{arm_a} seeds {len(a_models)} {name}",
+                    "a": f"{arm_a} seeds {len(seeds)} {name}",
                     "b": f"{arm_b} {name}" if arm_b == "base" else f"{arm_b} seeds {name}",
                     "n": t.prompts,
                     "hits_a": t.a_compressed,

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 __all__ = [
     "ClusteredPaired",
+    "DropDifference",
     "McNemar",
     "PairedPPL",
-    "DropDifference",
     "binomial_stderr",
     "drop_difference_clustered",
     "format_p",
