@@ -5,7 +5,8 @@ context lengths, to pick the lengths where it is well above chance (issue 36).
 
 Writes one per-prompt JSONL per (family, length) to experiments/long_context/raw/lengths/ and
 the table experiments/long_context/lengths.csv (accuracy, its standard error, Wilson 95%
-interval, mean context tokens, seconds). Evaluation seeds only (>= 1,000,000): the records are
+interval, mean context tokens, seconds); rows of other (family, length) cells already in the
+table are kept, so a new length adds to it. Evaluation seeds only (>= 1,000,000): the records are
 long_context_records(task, n, seed=1_000_011 + length, split="eval") on the King James haystack.
 """
 
@@ -41,6 +42,14 @@ def _atomic(path: Path):
     tmp.replace(path)
 
 
+def _read_rows(path: Path) -> list[dict]:
+    """The table's rows so far (none if it does not exist yet)."""
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
@@ -55,7 +64,7 @@ def main() -> None:
     tok = load_tokenizer(str(ckpt))
     model, _ = import_hf(ckpt)
     model.eval()
-    rows = []
+    rows = _read_rows(args.out)
     for length in args.lengths:
         for family in args.families:
             task = LongContextTask(family=family, tokens=length)
@@ -84,7 +93,9 @@ def main() -> None:
                 "mean_tokens": round(sum(x["tokens"] for x in r.rows) / r.n, 1),
                 "seconds": round(time.time() - t0, 1),
             }
+            rows = [x for x in rows if (x["family"], int(x["length"])) != (family, length)]
             rows.append(row)
+            rows.sort(key=lambda x: (int(x["length"]), FAMILIES.index(x["family"])))
             print(json.dumps(row), flush=True)
             with _atomic(args.out) as f:
                 w = csv.DictWriter(f, fieldnames=list(row))
