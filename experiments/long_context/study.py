@@ -699,6 +699,42 @@ def _seed_pairs(cells: dict, arm_a: str, arm_b: str, names: list[str]) -> list[t
     return pairs
 
 
+ANCHOR_ON_CONTROL = ("attention_global@16", "kvpress_KVzip_int4@16")
+
+
+def _anchor_on_control_tests(cells: dict) -> list[dict]:
+    """The claim against the best training-free anchor on weights trained on the same data:
+    :data:`GLOBAL_ARM` with its scorer vs the control with kvpress's KVzip + int4, both at 16x
+    fewer KV bytes, paired by seed and pooled (exact sign-flip clustered by prompt)."""
+    from unicache_train.eval.stats import sign_flip_clustered
+
+    ours, anchor = ANCHOR_ON_CONTROL
+    seeds = [
+        (a, b)
+        for a, b in _seed_pairs(cells, GLOBAL_ARM, "control", [ours])
+        if (b, anchor) in cells
+    ]
+    if len(seeds) < 2:
+        return []
+    t = sign_flip_clustered(
+        [_column(cells, a, ours) for a, _ in seeds],
+        [_column(cells, b, anchor) for _, b in seeds],
+    )
+    return [
+        {
+            "comparison": "fine-tune + scorer vs control + best anchor, pooled, clustered by prompt",
+            "a": f"{GLOBAL_ARM} seeds {len(seeds)} {ours}",
+            "b": f"control seeds {anchor}",
+            "n": t.prompts,
+            "hits_a": t.a_hits,
+            "hits_b": t.b_hits,
+            "only_a": t.only_a,
+            "only_b": t.only_b,
+            "p_mcnemar": t.p_value,
+        }
+    ]
+
+
 def _pooled_tests(cells: dict) -> list[dict]:
     """The fine-tuned arms pooled over their training seeds, clustered by prompt (exact
     sign-flip, :func:`~unicache_train.eval.stats.sign_flip_clustered`): compress vs control, and
@@ -714,7 +750,8 @@ def _pooled_tests(cells: dict) -> list[dict]:
     for arm_a, arm_b in pairs:
         for name in settings:
             seeds = _seed_pairs(cells, arm_a, arm_b, [name])
-            if len(seeds) < 2:
+            ids = {frozenset(r["id"] for r in cells[(m, name)]) for pair in seeds for m in pair}
+            if len(seeds) < 2 or len(ids) > 1:  # a subset cell (a sanity row) is not pooled
                 continue
             t = sign_flip_clustered(
                 [_column(cells, a, name) for a, _ in seeds],
@@ -752,7 +789,8 @@ def _drop_tests(cells: dict) -> list[dict]:
     for arm_a, arm_b in pairs:
         for name in names:
             seeds = _seed_pairs(cells, arm_a, arm_b, ["none", name])
-            if not seeds:
+            ids = {frozenset(r["id"] for r in cells[(m, name)]) for pair in seeds for m in pair}
+            if not seeds or len(ids) > 1:  # a subset cell (a sanity row) is not tested
                 continue
             t = drop_difference_clustered(
                 [_column(cells, a, "none") for a, _ in seeds],
@@ -891,6 +929,7 @@ def table(study: dict) -> None:
                     pair("fine-tune vs reference", (model, name), (other, name))
     tests += _pooled_tests(cells)
     tests += _drop_tests(cells)
+    tests += _anchor_on_control_tests(cells)
     for r in ppl_table(study):
         print(r)
     if tests:
