@@ -710,9 +710,7 @@ def _anchor_on_control_tests(cells: dict) -> list[dict]:
 
     ours, anchor = ANCHOR_ON_CONTROL
     seeds = [
-        (a, b)
-        for a, b in _seed_pairs(cells, GLOBAL_ARM, "control", [ours])
-        if (b, anchor) in cells
+        (a, b) for a, b in _seed_pairs(cells, GLOBAL_ARM, "control", [ours]) if (b, anchor) in cells
     ]
     if len(seeds) < 2:
         return []
