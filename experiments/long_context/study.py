@@ -699,6 +699,18 @@ def _seed_pairs(cells: dict, arm_a: str, arm_b: str, names: list[str]) -> list[t
     return pairs
 
 
+def _clustered_counts(t) -> dict:
+    """A pooled test's columns in tests.csv (a ``ClusteredPaired``)."""
+    return {
+        "n": t.prompts,
+        "hits_a": t.a_hits,
+        "hits_b": t.b_hits,
+        "only_a": t.only_a,
+        "only_b": t.only_b,
+        "p_mcnemar": t.p_value,
+    }
+
+
 ANCHOR_ON_CONTROL = ("attention_global@16", "kvpress_KVzip_int4@16")
 
 
@@ -723,12 +735,7 @@ def _anchor_on_control_tests(cells: dict) -> list[dict]:
             "comparison": "fine-tune + scorer vs control + best anchor, pooled, clustered by prompt",
             "a": f"{GLOBAL_ARM} seeds {len(seeds)} {ours}",
             "b": f"control seeds {anchor}",
-            "n": t.prompts,
-            "hits_a": t.a_hits,
-            "hits_b": t.b_hits,
-            "only_a": t.only_a,
-            "only_b": t.only_b,
-            "p_mcnemar": t.p_value,
+            **_clustered_counts(t),
         }
     ]
 
@@ -760,12 +767,7 @@ def _pooled_tests(cells: dict) -> list[dict]:
                     "comparison": "pooled over seeds, clustered by prompt",
                     "a": f"{arm_a} seeds {len(seeds)} {name}",
                     "b": f"{arm_b} {name}" if arm_b == "base" else f"{arm_b} seeds {name}",
-                    "n": t.prompts,
-                    "hits_a": t.a_hits,
-                    "hits_b": t.b_hits,
-                    "only_a": t.only_a,
-                    "only_b": t.only_b,
-                    "p_mcnemar": t.p_value,
+                    **_clustered_counts(t),
                 }
             )
     return out
