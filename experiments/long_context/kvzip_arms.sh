@@ -34,6 +34,7 @@ PY
   $PY $H run --prompts $SUB --model $m --name $1 --out-dir $RAW --threads 1 \
     --presses KVzip --reductions 16 --storage 16 --no-plain --only none_16bit --reference $ref
 }
-for l in "${LABELS[@]}"; do lane "$l" > runs/long_context/kvzip_$l.log 2>&1 & done
-wait
+pids=()
+for l in "${LABELS[@]}"; do lane "$l" > runs/long_context/kvzip_$l.log 2>&1 & pids+=($!); done
+for p in "${pids[@]}"; do wait "$p"; done  # a failed lane (its log says why) fails the script
 echo "done: python experiments/long_context/study.py table"

@@ -699,6 +699,12 @@ def _seed_pairs(cells: dict, arm_a: str, arm_b: str, names: list[str]) -> list[t
     return pairs
 
 
+def _same_prompts(cells: dict, keys: list[tuple[str, str]]) -> bool:
+    """Whether the cells ``keys`` ((model, setting)) hold the same prompts: a pooled test needs
+    them, and a subset cell (a sanity row on 50 of the 200 prompts) is left out of it."""
+    return len({frozenset(r["id"] for r in cells[k]) for k in keys}) <= 1
+
+
 def _clustered_counts(t) -> dict:
     """A pooled test's columns in tests.csv (a ``ClusteredPaired``)."""
     return {
@@ -711,6 +717,8 @@ def _clustered_counts(t) -> dict:
     }
 
 
+#: (our setting on the compression-aware arm, the best training-free anchor on the control):
+#: the claim against what a training-free method gets from the same training, at equal bytes.
 ANCHOR_ON_CONTROL = ("attention_global@16", "kvpress_KVzip_int4@16")
 
 
@@ -724,7 +732,8 @@ def _anchor_on_control_tests(cells: dict) -> list[dict]:
     seeds = [
         (a, b) for a, b in _seed_pairs(cells, GLOBAL_ARM, "control", [ours]) if (b, anchor) in cells
     ]
-    if len(seeds) < 2:
+    keys = [k for a, b in seeds for k in ((a, ours), (b, anchor))]
+    if len(seeds) < 2 or not _same_prompts(cells, keys):
         return []
     t = sign_flip_clustered(
         [_column(cells, a, ours) for a, _ in seeds],
@@ -755,8 +764,7 @@ def _pooled_tests(cells: dict) -> list[dict]:
     for arm_a, arm_b in pairs:
         for name in settings:
             seeds = _seed_pairs(cells, arm_a, arm_b, [name])
-            ids = {frozenset(r["id"] for r in cells[(m, name)]) for pair in seeds for m in pair}
-            if len(seeds) < 2 or len(ids) > 1:  # a subset cell (a sanity row) is not pooled
+            if len(seeds) < 2 or not _same_prompts(cells, [(m, name) for p in seeds for m in p]):
                 continue
             t = sign_flip_clustered(
                 [_column(cells, a, name) for a, _ in seeds],
@@ -789,8 +797,7 @@ def _drop_tests(cells: dict) -> list[dict]:
     for arm_a, arm_b in pairs:
         for name in names:
             seeds = _seed_pairs(cells, arm_a, arm_b, ["none", name])
-            ids = {frozenset(r["id"] for r in cells[(m, name)]) for pair in seeds for m in pair}
-            if not seeds or len(ids) > 1:  # a subset cell (a sanity row) is not tested
+            if not seeds or not _same_prompts(cells, [(m, name) for p in seeds for m in p]):
                 continue
             t = drop_difference_clustered(
                 [_column(cells, a, "none") for a, _ in seeds],
