@@ -225,6 +225,46 @@ def test_the_long_context_table_pairs_seeds_by_seed_and_tests_drops():
     assert (drop["full_a"], drop["hits_a"], drop["full_b"], drop["hits_b"]) == (4, 3, 2, 1)
     assert drop["drop_a"] == drop["drop_b"] == 1 and drop["p_mcnemar"] == 1.0
 
+    # A sanity row on a subset of the prompts (kvpress without a press on 2 of 4) has no drop
+    # against the full uncompressed cell: it is left out, not an error.
+    cells |= cell("compress_global_seed1_data1", "kvpress_none", [1, 1])
+    cells |= cell("control_seed1_data1", "kvpress_none", [1, 1])
+    assert [d["a"] for d in study_py._drop_tests(cells)] == [drop["a"]]
+
+
+def test_the_long_context_table_tests_the_scorers_margin_over_the_anchor():
+    """On the same weights each arm's scorer is tested against KVzip, and the two arms' margins
+    (scorer minus KVzip) against each other, pooled over seeds: a fine-tune whose scorer gains
+    on KVzip where the control's loses is favoured on those prompts."""
+    study_py = _study_module()
+    ours, anchor = study_py.ANCHOR_ON_CONTROL
+
+    def cell(model, setting, correct):
+        return {(model, setting): [{"id": f"p{i}", "correct": c} for i, c in enumerate(correct)]}
+
+    cells = {}
+    for seed in ("seed0", "seed1_data1"):
+        cells |= cell(f"compress_global_{seed}", ours, [1, 1, 1, 0])
+        cells |= cell(f"compress_global_{seed}", anchor, [1, 0, 0, 0])
+        cells |= cell(f"control_{seed}", ours, [1, 0, 0, 1])
+        cells |= cell(f"control_{seed}", anchor, [1, 1, 0, 1])
+    rows = {
+        r["comparison"].split(",")[0] + " " + r["a"].split()[0]: r
+        for r in study_py._anchor_on_control_tests(cells)
+    }
+    claim = rows["fine-tune + scorer vs control + best anchor compress_global"]
+    assert (claim["hits_a"], claim["hits_b"], claim["only_a"], claim["favour_a"]) == (6, 6, 2, 1)
+    same = rows["scorer vs best anchor compress_global"]
+    assert (same["hits_a"], same["hits_b"], same["favour_a"], same["favour_b"]) == (6, 2, 2, 0)
+    same = rows["scorer vs best anchor control"]
+    assert (same["hits_a"], same["hits_b"], same["favour_a"], same["favour_b"]) == (4, 6, 0, 1)
+    margin = rows["scorer's margin over the best anchor compress_global"]
+    # Per prompt, (ours - KVzip) summed over seeds: fine-tune [0, 2, 2, 0], control [0, -2, 0, 0].
+    assert (margin["drop_a"], margin["drop_b"]) == (-4, 2)
+    assert (margin["favour_a"], margin["favour_b"]) == (2, 0)
+    # d = [0, -4, -2, 0]: 2 prompts that may flip sign, both on A's side: p = 2 / 4.
+    assert margin["p_mcnemar"] == 0.5
+
 
 def _tiny_hf(path: Path) -> Path:
     import torch

@@ -665,6 +665,11 @@ def _seed_of(model: str) -> str:
     return model.rsplit("_seed", 1)[-1].split("_", 1)[0] if "_seed" in model else "0"
 
 
+def _arm_label(model: str) -> str:
+    """``compress_global_seed1_data1`` -> ``compress_global``; ``base`` -> ``base``."""
+    return model.rsplit("_seed", 1)[0]
+
+
 def _control_of(model: str, models: list[str]) -> str | None:
     """The control a fine-tuned model is paired with: the control of the same seed (its first
     label in sort order, the pinned data order before any ``_data{K}``)."""
@@ -706,7 +711,9 @@ def _same_prompts(cells: dict, keys: list[tuple[str, str]]) -> bool:
 
 
 def _clustered_counts(t) -> dict:
-    """A pooled test's columns in tests.csv (a ``ClusteredPaired``)."""
+    """A pooled test's columns in tests.csv (a ``ClusteredPaired``): ``only_a``/``only_b`` count
+    (prompt, seed) pairs with only one side right, ``favour_a``/``favour_b`` the prompts whose
+    difference summed over the seeds favours each side (what the sign-flip test reads)."""
     return {
         "n": t.prompts,
         "hits_a": t.a_hits,
@@ -714,6 +721,8 @@ def _clustered_counts(t) -> dict:
         "only_a": t.only_a,
         "only_b": t.only_b,
         "p_mcnemar": t.p_value,
+        "favour_a": t.favour_a,
+        "favour_b": t.favour_b,
     }
 
 
@@ -723,28 +732,91 @@ ANCHOR_ON_CONTROL = ("attention_global@16", "kvpress_KVzip_int4@16")
 
 
 def _anchor_on_control_tests(cells: dict) -> list[dict]:
-    """The claim against the best training-free anchor on weights trained on the same data:
-    :data:`GLOBAL_ARM` with its scorer vs the control with kvpress's KVzip + int4, both at 16x
-    fewer KV bytes, paired by seed and pooled (exact sign-flip clustered by prompt)."""
+    """The claim against the best training-free anchor (:data:`ANCHOR_ON_CONTROL`), paired by
+    seed and pooled (exact sign-flip clustered by prompt): :data:`GLOBAL_ARM` with its scorer vs
+    the control read through KVzip + int4, both at 16x fewer KV bytes (the claim); and, on the
+    same weights, each fine-tuned arm's scorer vs KVzip (whether what the fine-tune learned is
+    specific to the scorer it was trained with)."""
     from unicache_train.eval.stats import sign_flip_clustered
 
     ours, anchor = ANCHOR_ON_CONTROL
-    seeds = [
+    claim = [
         (a, b) for a, b in _seed_pairs(cells, GLOBAL_ARM, "control", [ours]) if (b, anchor) in cells
     ]
-    keys = [k for a, b in seeds for k in ((a, ours), (b, anchor))]
+    models = sorted({m for m, _ in cells})
+    same = {
+        arm: [
+            (m, m)
+            for m in models
+            if m.startswith(f"{arm}_seed") and (m, ours) in cells and (m, anchor) in cells
+        ]
+        for arm in (GLOBAL_ARM, "control")
+    }
+    comparisons = [
+        ("fine-tune + scorer vs control + best anchor", claim, f"control seeds {anchor}")
+    ]
+    comparisons += [
+        ("scorer vs best anchor, same weights", pairs, f"{arm} seeds {anchor}")
+        for arm, pairs in same.items()
+    ]
+    out = []
+    for what, seeds, b_label in comparisons:
+        keys = [k for a, b in seeds for k in ((a, ours), (b, anchor))]
+        if len(seeds) < 2 or not _same_prompts(cells, keys):
+            continue
+        t = sign_flip_clustered(
+            [_column(cells, a, ours) for a, _ in seeds],
+            [_column(cells, b, anchor) for _, b in seeds],
+        )
+        arm = _arm_label(seeds[0][0])
+        out.append(
+            {
+                "comparison": f"{what}, pooled, clustered by prompt",
+                "a": f"{arm} seeds {len(seeds)} {ours}",
+                "b": b_label,
+                **_clustered_counts(t),
+            }
+        )
+    out += _margin_over_anchor_test(cells, same[GLOBAL_ARM], same["control"])
+    return out
+
+
+def _margin_over_anchor_test(cells: dict, a: list, b: list) -> list[dict]:
+    """Whether the compression-aware fine-tune widens its scorer's margin over the best anchor
+    more than the control's training does: per prompt, (scorer - KVzip) on the fine-tune's
+    weights against (scorer - KVzip) on the control's, pooled over seeds and clustered by
+    prompt (:func:`~unicache_train.eval.stats.drop_difference_clustered` with the anchor as the
+    "full" setting, so a negative drop is a scorer ahead of KVzip). Paired by seed."""
+    from unicache_train.eval.stats import drop_difference_clustered
+
+    ours, anchor = ANCHOR_ON_CONTROL
+    controls = {_seed_of(m): m for m, _ in b}
+    seeds = [(m, controls[_seed_of(m)]) for m, _ in a if _seed_of(m) in controls]
+    keys = [(m, n) for p in seeds for m in p for n in (ours, anchor)]
     if len(seeds) < 2 or not _same_prompts(cells, keys):
         return []
-    t = sign_flip_clustered(
-        [_column(cells, a, ours) for a, _ in seeds],
-        [_column(cells, b, anchor) for _, b in seeds],
+    t = drop_difference_clustered(
+        [_column(cells, x, anchor) for x, _ in seeds],
+        [_column(cells, x, ours) for x, _ in seeds],
+        [_column(cells, y, anchor) for _, y in seeds],
+        [_column(cells, y, ours) for _, y in seeds],
     )
     return [
         {
-            "comparison": "fine-tune + scorer vs control + best anchor, pooled, clustered by prompt",
-            "a": f"{GLOBAL_ARM} seeds {len(seeds)} {ours}",
-            "b": f"control seeds {anchor}",
-            **_clustered_counts(t),
+            "comparison": "scorer's margin over the best anchor, fine-tune vs control, pooled, "
+            "clustered by prompt",
+            "a": f"{GLOBAL_ARM} seeds {len(seeds)} {ours} - {anchor}",
+            "b": f"control seeds {ours} - {anchor}",
+            "n": t.prompts,
+            "hits_a": t.a_compressed,
+            "hits_b": t.b_compressed,
+            "full_a": t.a_full,
+            "full_b": t.b_full,
+            "drop_a": t.a_drop,
+            "drop_b": t.b_drop,
+            "p_mcnemar": t.p_value,
+            "favour_a": t.favour_a,
+            "favour_b": t.favour_b,
         }
     ]
 
@@ -797,7 +869,8 @@ def _drop_tests(cells: dict) -> list[dict]:
     for arm_a, arm_b in pairs:
         for name in names:
             seeds = _seed_pairs(cells, arm_a, arm_b, ["none", name])
-            if not seeds or not _same_prompts(cells, [(m, name) for p in seeds for m in p]):
+            keys = [(m, n) for p in seeds for m in p for n in ("none", name)]
+            if not seeds or not _same_prompts(cells, keys):
                 continue
             t = drop_difference_clustered(
                 [_column(cells, a, "none") for a, _ in seeds],
@@ -817,9 +890,9 @@ def _drop_tests(cells: dict) -> list[dict]:
                     "full_b": t.b_full,
                     "drop_a": t.a_drop,
                     "drop_b": t.b_drop,
-                    "only_a": t.favour_a,
-                    "only_b": t.favour_b,
                     "p_mcnemar": t.p_value,
+                    "favour_a": t.favour_a,
+                    "favour_b": t.favour_b,
                 }
             )
     return out
@@ -831,7 +904,7 @@ def table(study: dict) -> None:
     arms against the base and the control of the same seed with the same setting; pooled over
     seeds, clustered by prompt, where two seeds exist: ``p_mcnemar`` is then the sign-flip
     test's p; what compression costs each fine-tuned arm against the control's and the base's
-    cost, :func:`_drop_tests`, its ``only_a``/``only_b`` the prompts favouring each), from
+    cost, :func:`_drop_tests`, its ``favour_a``/``favour_b`` the prompts favouring each), from
     raw/*.jsonl only."""
     from unicache_train.eval.stats import wilson_interval
 
