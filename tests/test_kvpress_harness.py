@@ -120,7 +120,9 @@ def test_token_id_prompts_and_the_study_names(kb, tmp_path) -> None:
     # masked head-wise (one prompt at a time) like KVzip itself.
     lw = kb.build_grid(["KVzipLayerwise"], [16.0], [4], plain=False)[-1]  # after no-press
     assert kb.study_setting(lw) == "kvpress_KVzipLayerwise_int4@16"
-    assert {"KVzip", "KVzipLayerwise"} <= set(kb.MASKED_PRESSES)
+    assert {"KVzip", "KVzipLayerwise", "KVzipHeadShared"} <= set(kb.MASKED_PRESSES)
+    hs = kb.build_grid(["KVzipHeadShared"], [16.0], [4], plain=False)[-1]
+    assert kb.study_setting(hs) == "kvpress_KVzipHeadShared_int4@16"
     row = {"id": "a", "task": "t", "context_ids": [1, 2], "question_ids": [3], "answers": ["x"]}
     path = tmp_path / "ids.jsonl"
     path.write_text(json.dumps(row) + "\n")
@@ -164,3 +166,20 @@ def test_no_press_and_plain_int4_rows_equal_our_long_context_engine(kb) -> None:
             assert kept == len(ctx) * 30 * 3  # every K vector, 30 layers x 3 KV heads
             assert pred == row["prediction"], (name, r["id"])
             assert kb.contains_all(pred, r["answers"]) == row["correct"]
+
+
+def test_head_shared_scores_evict_whole_tokens_of_a_layer(kb) -> None:
+    """The per-head ablation: every KV head of a layer gets the layer's mean score, so KVzip's
+    bottom-k over (head, token), with a budget that is a multiple of the heads, evicts whole
+    tokens, the ones with the lowest mean (checked against a loop over the tokens)."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(3, 1, 4, 10, generator=g, dtype=torch.float64)
+    shared = kb.share_over_heads(scores)
+    assert shared.shape == scores.shape and torch.equal(scores, scores.clone())
+    for layer in range(3):
+        mean = [sum(scores[layer, 0, h, t].item() for h in range(4)) / 4 for t in range(10)]
+        for h in range(4):
+            assert shared[layer, 0, h].tolist() == pytest.approx(mean, rel=1e-12)
+        pruned = torch.topk(-shared[layer].reshape(1, -1), 4 * 3, dim=1).indices[0]
+        tokens = sorted({int(i) % 10 for i in pruned})
+        assert tokens == sorted(sorted(range(10), key=lambda t: mean[t])[:3])

@@ -68,12 +68,16 @@ PRESSES = (
     "KeyDiff",
     "KVzip",
     "KVzipLayerwise",
+    "KVzipHeadShared",
 )
 # Evict by head-wise masks, batch size 1 (kvpress's KVzipPress). KVzipLayerwise is KVzipPress with
 # layerwise=True: the same scores, the same fraction evicted in every layer (head-wise within the
 # layer) instead of one budget shared by all layers and heads: the ablation that tells whether the
-# cross-layer budget is what keeps the needle.
-MASKED_PRESSES = ("KVzip", "KVzipLayerwise")
+# cross-layer budget is what keeps the needle. KVzipHeadShared keeps KVzip's budget over all
+# layers but one token set per layer, shared by its KV heads (each token's score the mean over the
+# layer's heads, :func:`share_over_heads`): our selections' structure with KVzip's scores, the
+# ablation that tells what per-head selection is worth.
+MASKED_PRESSES = ("KVzip", "KVzipLayerwise", "KVzipHeadShared")
 CSV_COLUMNS = (
     "model",
     "weights",
@@ -287,6 +291,27 @@ def weights_sha256(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+def share_over_heads(scores: torch.Tensor) -> torch.Tensor:
+    """KVzip's scores ``[layers, B, H_kv, T]`` with every KV head of a layer given the mean over
+    the layer's heads: a bottom-k over (head, token) then evicts whole tokens (all heads of a
+    layer at once; a tie split at the budget's edge leaves one token partly kept, counted as
+    such by :meth:`PressRunner.kept_entries`)."""
+    return scores.mean(dim=2, keepdim=True).expand_as(scores).contiguous()
+
+
+def _head_shared_kvzip(kvpress):
+    """KVzipPress whose scores are shared by the KV heads of a layer before its budget over all
+    layers is applied (kvpress imported by the caller: this module also loads without it)."""
+
+    class KVzipHeadSharedPress(kvpress.KVzipPress):
+        def compress_post(self, model):
+            if self.compression_ratio > 0:
+                self.score_val = share_over_heads(self.score_val)
+            return super().compress_post(model)
+
+    return KVzipHeadSharedPress
+
+
 class PressRunner:
     """One model under kvpress: prefill (press active), store, decode, count bytes."""
 
@@ -306,10 +331,12 @@ class PressRunner:
     def make_press(self, s: Setting):
         import kvpress
 
-        if s.press in ("KVzip", "KVzipLayerwise"):
+        if s.press in MASKED_PRESSES:
             self._kvzip_tokenizer()
         if s.press == "KVzipLayerwise":
             return kvpress.KVzipPress(compression_ratio=s.ratio(self.head_dim), layerwise=True)
+        if s.press == "KVzipHeadShared":
+            return _head_shared_kvzip(kvpress)(compression_ratio=s.ratio(self.head_dim))
         return getattr(kvpress, f"{s.press}Press")(compression_ratio=s.ratio(self.head_dim))
 
     def _kvzip_tokenizer(self) -> None:
