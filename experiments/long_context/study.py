@@ -726,6 +726,23 @@ def _clustered_counts(t) -> dict:
     }
 
 
+def _drop_counts(t) -> dict:
+    """A drop test's columns in tests.csv (a ``DropDifference``): each side's hits in both
+    settings, its drop, the prompts favouring each side and the sign-flip p."""
+    return {
+        "n": t.prompts,
+        "hits_a": t.a_compressed,
+        "hits_b": t.b_compressed,
+        "full_a": t.a_full,
+        "full_b": t.b_full,
+        "drop_a": t.a_drop,
+        "drop_b": t.b_drop,
+        "p_mcnemar": t.p_value,
+        "favour_a": t.favour_a,
+        "favour_b": t.favour_b,
+    }
+
+
 #: (our setting on the compression-aware arm, the best training-free anchor on the control):
 #: the claim against what a training-free method gets from the same training, at equal bytes.
 ANCHOR_ON_CONTROL = ("attention_global@16", "kvpress_KVzip_int4@16")
@@ -807,16 +824,7 @@ def _margin_over_anchor_test(cells: dict, a: list, b: list) -> list[dict]:
             "clustered by prompt",
             "a": f"{GLOBAL_ARM} seeds {len(seeds)} {ours} - {anchor}",
             "b": f"control seeds {ours} - {anchor}",
-            "n": t.prompts,
-            "hits_a": t.a_compressed,
-            "hits_b": t.b_compressed,
-            "full_a": t.a_full,
-            "full_b": t.b_full,
-            "drop_a": t.a_drop,
-            "drop_b": t.b_drop,
-            "p_mcnemar": t.p_value,
-            "favour_a": t.favour_a,
-            "favour_b": t.favour_b,
+            **_drop_counts(t),
         }
     ]
 
@@ -883,16 +891,7 @@ def _drop_tests(cells: dict) -> list[dict]:
                     "comparison": "drop under compression, pooled over seeds, clustered by prompt",
                     "a": f"{arm_a} seeds {len(seeds)} {name}",
                     "b": f"{arm_b} {name}" if arm_b == "base" else f"{arm_b} seeds {name}",
-                    "n": t.prompts,
-                    "hits_a": t.a_compressed,
-                    "hits_b": t.b_compressed,
-                    "full_a": t.a_full,
-                    "full_b": t.b_full,
-                    "drop_a": t.a_drop,
-                    "drop_b": t.b_drop,
-                    "p_mcnemar": t.p_value,
-                    "favour_a": t.favour_a,
-                    "favour_b": t.favour_b,
+                    **_drop_counts(t),
                 }
             )
     return out
