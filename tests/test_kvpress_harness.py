@@ -174,8 +174,9 @@ def test_head_shared_scores_evict_whole_tokens_of_a_layer(kb) -> None:
     tokens, the ones with the lowest mean (checked against a loop over the tokens)."""
     g = torch.Generator().manual_seed(0)
     scores = torch.rand(3, 1, 4, 10, generator=g, dtype=torch.float64)
+    before = scores.clone()
     shared = kb.share_over_heads(scores)
-    assert shared.shape == scores.shape and torch.equal(scores, scores.clone())
+    assert shared.shape == scores.shape and torch.equal(scores, before)  # the input untouched
     for layer in range(3):
         mean = [sum(scores[layer, 0, h, t].item() for h in range(4)) / 4 for t in range(10)]
         for h in range(4):

@@ -763,7 +763,7 @@ def _anchor_on_control_tests(cells: dict) -> list[dict]:
     models = sorted({m for m, _ in cells})
     same = {
         arm: [
-            (m, m)
+            m
             for m in models
             if m.startswith(f"{arm}_seed") and (m, ours) in cells and (m, anchor) in cells
         ]
@@ -773,8 +773,8 @@ def _anchor_on_control_tests(cells: dict) -> list[dict]:
         ("fine-tune + scorer vs control + best anchor", claim, f"control seeds {anchor}")
     ]
     comparisons += [
-        ("scorer vs best anchor, same weights", pairs, f"{arm} seeds {anchor}")
-        for arm, pairs in same.items()
+        ("scorer vs best anchor, same weights", [(m, m) for m in ms], f"{arm} seeds {anchor}")
+        for arm, ms in same.items()
     ]
     out = []
     for what, seeds, b_label in comparisons:
@@ -798,17 +798,18 @@ def _anchor_on_control_tests(cells: dict) -> list[dict]:
     return out
 
 
-def _margin_over_anchor_test(cells: dict, a: list, b: list) -> list[dict]:
+def _margin_over_anchor_test(cells: dict, tuned: list[str], controls: list[str]) -> list[dict]:
     """Whether the compression-aware fine-tune widens its scorer's margin over the best anchor
     more than the control's training does: per prompt, (scorer - KVzip) on the fine-tune's
     weights against (scorer - KVzip) on the control's, pooled over seeds and clustered by
     prompt (:func:`~unicache_train.eval.stats.drop_difference_clustered` with the anchor as the
-    "full" setting, so a negative drop is a scorer ahead of KVzip). Paired by seed."""
+    "full" setting, so a negative drop is a scorer ahead of KVzip). ``tuned`` and ``controls``:
+    the models that have both settings; each tuned model is paired with its seed's control
+    (:func:`_control_of`)."""
     from unicache_train.eval.stats import drop_difference_clustered
 
     ours, anchor = ANCHOR_ON_CONTROL
-    controls = {_seed_of(m): m for m, _ in b}
-    seeds = [(m, controls[_seed_of(m)]) for m, _ in a if _seed_of(m) in controls]
+    seeds = [(m, c) for m in tuned if (c := _control_of(m, controls)) is not None]
     keys = [(m, n) for p in seeds for m in p for n in (ours, anchor)]
     if len(seeds) < 2 or not _same_prompts(cells, keys):
         return []
